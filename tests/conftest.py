@@ -1,0 +1,14 @@
+import os
+
+import pytest
+import torch
+
+# One intra-op thread: the suite forks many ranks onto 2 cores.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
