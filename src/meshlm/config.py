@@ -1,0 +1,292 @@
+"""Configuration: dataclasses, TOML files, `key=value` overrides, validation with one-line errors.
+
+Every run is described by one `Config`. It is loaded from an optional TOML file, then dotted
+overrides from the command line (`train.steps=50 parallel.dp=2`), then resolved (model preset
+filled in, dp inferred from the world size) and validated before any rank starts. Any problem is
+a `ConfigError` whose message names the offending key; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlm.model.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line that names the key."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    # None means "take it from the preset".
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    tie_embeddings: bool | None = None
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    seq_len: int = 128
+    micro_batch_size: int = 16
+    global_batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "float32"
+    recompute: str = "none"
+    eval_interval: int = 100
+    eval_batches: int = 4
+    log_interval: int = 10
+    # Peak dense TFLOP/s of one device for MFU; None = look the device up in a table.
+    peak_tflops: float | None = None
+    # Count live tensor bytes on CPU (a dispatch-mode tracker; costs some step time).
+    track_memory: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0  # 0 = world size / (tp * cp * pp)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0 = global batch / (dp * micro-batch)
+    pp_virtual: int = 1
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # a text file or a directory of them; None = the default corpus
+    val_fraction: float = 0.01
+    cache_dir: str | None = None  # None = $MESHLM_CACHE or ~/.cache/meshlm
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0 = only the final weights
+    keep: int = 2
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/meshlm"
+    seed: int = 1234
+    sample_tokens: int = 120
+    sample_prompt: str = "ROMEO:"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _field_types(section_cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against a field annotation (int, float, bool, str, or X | None)."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if value is None and type(None) in allowed:
+        return None
+    for typ in allowed:
+        if typ is bool and isinstance(value, bool):
+            return value
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if typ is str and isinstance(value, str):
+            return value
+    names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(t, "none")
+                        for t in allowed if t is not type(None))
+    raise ConfigError(f"{key}: expected {names}, got {value!r}")
+
+
+def _parse_override_value(text: str) -> Any:
+    """`3` -> 3, `1e-3` -> 0.001, `true` -> True, `"x"` or `x` -> "x", `none` -> None."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply(cfg: Config, key: str, value: Any) -> None:
+    section_name, _, name = key.partition(".")
+    if not name or "." in name:
+        raise ConfigError(f"{key}: keys have the form section.name, e.g. train.steps")
+    if section_name not in _field_types(Config):
+        raise ConfigError(f"{key}: unknown section {section_name!r} (known: {', '.join(_field_types(Config))})")
+    section = getattr(cfg, section_name)
+    types_ = _field_types(type(section))
+    if name not in types_:
+        raise ConfigError(f"{key}: unknown key (known in [{section_name}]: {', '.join(types_)})")
+    setattr(section, name, _coerce(key, value, types_[name]))
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Read an optional TOML file, then apply `section.key=value` overrides. Not yet resolved."""
+    cfg = Config()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for section_name, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: {section_name}: expected a [{section_name}] table")
+            for name, value in table.items():
+                _apply(cfg, f"{section_name}.{name}", value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item}: overrides have the form section.key=value")
+        _apply(cfg, key.strip(), _parse_override_value(text.strip()))
+    return cfg
+
+
+# --------------------------------------------------------------------------- resolution and validation
+
+
+def resolve(cfg: Config, world_size: int = 1) -> Config:
+    """Fill the model from its preset, infer dp from the world size, and validate everything."""
+    m = cfg.model
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
+    for name, value in PRESETS[m.preset].items():
+        if getattr(m, name) is None:
+            setattr(m, name, value)
+    p = cfg.parallel
+    for key in ("tp", "pp", "cp", "pp_virtual"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
+    model_parallel = p.tp * p.cp * p.pp
+    if p.dp == 0:
+        if world_size % model_parallel:
+            raise ConfigError(f"parallel.tp*cp*pp = {model_parallel} does not divide the world size {world_size}")
+        p.dp = world_size // model_parallel
+    validate(cfg, world_size)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        _require(getattr(m, key) >= 1, f"model.{key}: must be >= 1, got {getattr(m, key)}")
+    _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} is not divisible by model.n_heads={m.n_heads}")
+    _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")
+    _require(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
+             f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    _require(m.vocab_size >= 260, f"model.vocab_size: {m.vocab_size} is too small for a byte-level BPE (>= 260)")
+    _require(m.rope_theta > 0, f"model.rope_theta: must be > 0, got {m.rope_theta}")
+    _require(m.norm_eps > 0, f"model.norm_eps: must be > 0, got {m.norm_eps}")
+
+    for key in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_interval", "eval_batches"):
+        _require(getattr(t, key) >= 1, f"train.{key}: must be >= 1, got {getattr(t, key)}")
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len: {t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _require(t.lr > 0 and math.isfinite(t.lr), f"train.lr: must be a positive number, got {t.lr}")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/train.beta2: must be in [0, 1)")
+    _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.eval_interval >= 0, f"train.eval_interval: must be >= 0 (0 disables), got {t.eval_interval}")
+    _require(t.dtype in ("float32", "bfloat16"), f"train.dtype: must be float32 or bfloat16, got {t.dtype!r}")
+    _require(t.recompute in ("none", "full", "selective"),
+             f"train.recompute: must be none, full or selective, got {t.recompute!r}")
+    _require(t.peak_tflops is None or t.peak_tflops > 0, f"train.peak_tflops: must be > 0, got {t.peak_tflops}")
+
+    _require(p.dp >= 1, f"parallel.dp: must be >= 1 (or 0 for auto), got {p.dp}")
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _require(p.pp_schedule in ("gpipe", "1f1b", "interleaved"),
+             f"parallel.pp_schedule: must be gpipe, 1f1b or interleaved, got {p.pp_schedule!r}")
+    _require(p.pp_microbatches >= 0, f"parallel.pp_microbatches: must be >= 0, got {p.pp_microbatches}")
+    layout = p.dp * p.tp * p.cp * p.pp
+    _require(layout == world_size,
+             f"parallel: dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {layout} does not equal the world size {world_size}")
+    per_step = t.micro_batch_size * p.dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+             f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
+    # Until the parallel issues land, only (replicated) data parallelism runs.
+    for key, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("zero", p.zero)):
+        _require(value == (0 if key == "zero" else 1), f"parallel.{key}={value}: not implemented yet in this version")
+    _require(not p.sp, "parallel.sp=true: not implemented yet in this version")
+
+    _require(0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
+    if d.path is not None:
+        _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
+    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
+    _require(cfg.run.sample_tokens >= 0, f"run.sample_tokens: must be >= 0, got {cfg.run.sample_tokens}")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML. Hand-written because tomllib only reads, and a flat table of
+    scalars needs nothing more; None values are left out (TOML has no null) and reload as None."""
+    lines = []
+    for section_name in _field_types(Config):
+        lines.append(f"[{section_name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section_name)).items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
