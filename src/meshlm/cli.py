@@ -1,0 +1,152 @@
+"""`meshlm` command line: thin entry points; the work lives in the modules they call.
+
+Exit codes (DESIGN.md): 0 success, 2 bad usage or bad config (one line naming the key, no
+traceback), 1 runtime failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from meshlm.config import ConfigError, load_config, resolve, to_toml
+
+
+def _fail_usage(message: str) -> int:
+    print(f"meshlm: error: {message}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (the main job)",
+                       description="Train a Llama-style model. With no arguments: the tiny preset on the "
+                                   "default Shakespeare corpus, in a few minutes on a CPU.")
+    p.add_argument("--config", help="a TOML config file (see configs/)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node, started through torchrun")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node: also --rdzv-endpoint)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index in 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (node 0) for multi-node runs")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=50 parallel.dp=2")
+
+
+def cmd_train(args) -> int:
+    from meshlm.train.data import prepare_data
+
+    if args.nproc < 1:
+        return _fail_usage(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        return _fail_usage(f"--node-rank: must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        return _fail_usage("--rdzv-endpoint: required when --nnodes > 1 (HOST:PORT of node 0)")
+    world_size = args.nproc * args.nnodes
+    cfg = resolve(load_config(args.config, args.overrides), world_size=world_size)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    # Data is prepared once here, before ranks start, so N ranks never race to build the cache.
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
+    print(f"meshlm: {cfg.model.preset} model ({cfg.model.dim}d x {cfg.model.n_layers}L), "
+          f"{world_size} rank(s) dp={cfg.parallel.dp}, {cfg.train.steps} steps of "
+          f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}", flush=True)
+    t0 = time.perf_counter()
+    if world_size == 1:
+        from meshlm.train.worker import train_rank
+
+        train_rank(cfg)
+    else:
+        from meshlm.launch import launch
+
+        code = launch(args.nproc, "meshlm.train.worker", ["--config", str(run_dir / "config.toml")],
+                      nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+        if code:
+            return code
+    print(f"meshlm: trained in {time.perf_counter() - t0:.0f} s; metrics in {run_dir / 'metrics.jsonl'}")
+    if cfg.run.sample_tokens and args.node_rank == 0:
+        _print_sample(run_dir, cfg.run.sample_prompt, cfg.run.sample_tokens)
+    return 0
+
+
+def _print_sample(model_dir: Path, prompt: str, n_tokens: int) -> None:
+    from meshlm.train.generate import sample
+    from meshlm.train.weights import load_trained
+
+    model, tokenizer, _ = load_trained(model_dir)
+    text = sample(model, tokenizer, prompt, max_new_tokens=n_tokens)
+    print(f"\n--- sample ({n_tokens} tokens, temperature 0.8, top-k 40) ---\n{text}\n---")
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a trained model")
+    p.add_argument("--checkpoint", required=True, help="a run directory or its final/ directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filter")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    from meshlm.train.generate import sample
+    from meshlm.train.weights import load_trained
+
+    if args.temperature < 0:
+        return _fail_usage(f"--temperature: must be >= 0, got {args.temperature}")
+    if args.max_new_tokens < 0 or args.top_k < 0:
+        return _fail_usage("--max-new-tokens and --top-k must be >= 0")
+    model, tokenizer, _ = load_trained(args.checkpoint)
+    print(sample(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k or None, seed=args.seed))
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+BENCHES = {"comm": "meshlm.comm.bench"}
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks against PyTorch's own implementations",
+                       description=f"meshlm bench {{{','.join(BENCHES)}}} [options]; see meshlm bench NAME --help")
+    p.add_argument("name", choices=sorted(BENCHES))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHES[args.name]).main(args.bench_args)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    commands = {"train": cmd_train, "generate": cmd_generate, "bench": cmd_bench}
+    try:
+        return commands[args.command](args)
+    except ConfigError as e:
+        return _fail_usage(str(e))
+    except KeyboardInterrupt:
+        print("meshlm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

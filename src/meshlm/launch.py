@@ -1,0 +1,42 @@
+"""Starting ranks: torchrun (`torch.distributed.run`) used as a library, on one node or many.
+
+`meshlm train --nproc N` validates the config and prepares the data once, in this process, then
+asks torchrun to start N copies of `meshlm.train.worker` per node. torchrun sets RANK,
+WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, and tears every rank down if one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int = 1, node_rank: int = 0,
+                  rdzv_endpoint: str | None = None, rdzv_id: str = "meshlm") -> list[str]:
+    """The torchrun command line: standalone on one node, c10d rendezvous across nodes."""
+    if nnodes == 1 and not rdzv_endpoint:
+        head = ["--standalone", "--nnodes", "1"]
+    else:
+        if not rdzv_endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
+        head = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return [*head, "--nproc-per-node", str(nproc), "--module", module, *module_args]
+
+
+def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
+    """Run `python -m module module_args` on `nproc` ranks per node; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # One intra-op thread per rank unless the user chose otherwise: N ranks x all cores each
+    # oversubscribes the CPU badly (torchrun would set the same, with a warning).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = get_args_parser().parse_args(torchrun_args(nproc, module, module_args, **kwargs))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
+        print(f"meshlm: training failed on {failures}; see the rank logs in the run directory", file=sys.stderr)
+        return 1
+    return 0

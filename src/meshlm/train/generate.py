@@ -1,0 +1,34 @@
+"""Sampling text from a trained model: temperature and top-k, one token at a time.
+
+No KV cache: each new token re-runs the (short) context. That keeps the model free of
+inference-only state; for the model sizes trained here it costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+           top_k: int | None = 40, seed: int = 0, max_context: int | None = None) -> str:
+    """Continue `prompt`; returns prompt + generated text."""
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0 (0 = greedy)")
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(prompt).ids or [0]
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    max_context = max_context or model.cfg.max_seq_len
+    for _ in range(max_new_tokens):
+        logits = model(tokens[:, -max_context:])[0, -1].float()
+        if temperature == 0:
+            next_id = logits.argmax()
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[0]
+        tokens = torch.cat([tokens, next_id.view(1, 1)], dim=1)
+    return tokenizer.decode(tokens[0].tolist())

@@ -1,0 +1,114 @@
+"""Where a run's numbers go: `metrics.jsonl` (the contract other tools read), a progress bar on a
+terminal or plain lines in a log, TensorBoard when it is installed, and one log file per rank.
+
+Only global rank 0 writes metrics and prints; every rank writes `logs/rank{N}.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
+    """A logger writing to `run_dir/logs/rank{rank}.log` (and to stderr on rank 0 for warnings)."""
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"meshlm.rank{rank}.{run_dir.resolve()}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="w")
+        handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(message)s".replace("%(rank)s", str(rank))))
+        logger.addHandler(handler)
+    return logger
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_step(row: dict[str, Any]) -> str:
+    """One human line per logged step."""
+    parts = [f"step {row['step']:>5}", f"loss {row['loss']:.4f}"]
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval {row['eval_loss']:.4f}")
+    parts += [f"lr {row['lr']:.2e}", f"gnorm {row['grad_norm']:.3f}",
+              f"{row['tokens_per_s']:,.0f} tok/s", f"{row['step_time_s'] * 1000:.0f} ms",
+              f"{row['tflops']:.3f} TFLOP/s",
+              "MFU n/a" if row.get("mfu") is None else f"MFU {100 * row['mfu']:.1f}%",
+              f"mem {format_bytes(row.get('mem_peak_bytes'))}"]
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Rank 0's sink for per-step metrics. Other ranks get an instance that writes nothing."""
+
+    def __init__(self, run_dir: Path, total_steps: int, log_interval: int, active: bool, stream=None) -> None:
+        self.active = active
+        self.log_interval = log_interval
+        self.stream = stream or sys.stdout
+        self._jsonl = None
+        self._bar = None
+        self._tb = None
+        if not active:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, file=self.stream, dynamic_ncols=True, unit="step")
+        try:  # TensorBoard is optional: use it when the user has it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            self._tb = None
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step" and value is not None:
+                    self._tb.add_scalar(f"train/{key}", value, row["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            postfix = f"loss {row['loss']:.3f}" + (f" eval {row['eval_loss']:.3f}" if row.get("eval_loss") else "")
+            self._bar.set_postfix_str(postfix + f" {row['tokens_per_s']:,.0f} tok/s")
+            if row["step"] % self.log_interval == 0 or row.get("eval_loss") is not None:
+                self._bar.write(format_step(row))
+        elif row["step"] % self.log_interval == 0 or row["step"] == 1 or row.get("eval_loss") is not None:
+            print(format_step(row), file=self.stream, flush=True)
+
+    def print(self, text: str) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf are not JSON: write them as null so every line stays parseable."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

@@ -1,0 +1,194 @@
+"""The training loop: one global batch per step, split into data-parallel shards and micro-batches,
+with the loss normalised by the global number of target tokens so every layout computes the same
+step as one process would.
+
+Per step: forward/backward each micro-batch on `loss_sum / global_target_tokens`, reduce
+gradients across data-parallel ranks (a sum, since each rank already divided by the global
+count), clip, AdamW, then reduce the metrics. The loss reported is the global mean token loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
+from meshlm.config import Config
+from meshlm.model import Llama, init_weights
+from meshlm.parallel.recompute import apply_activation_checkpointing
+from meshlm.train.data import PreparedData, TokenLoader, eval_batches
+from meshlm.train.memtrack import PeakMemory
+from meshlm.train.metrics import MetricsWriter, rank_logger
+from meshlm.train.optim import build_optimizer, lr_at
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over target tokens (fp32), ignoring positions marked IGNORE_INDEX."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    target_tokens: int
+    step_time_s: float
+    mem_peak_bytes: int | None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx, data: PreparedData, metrics: MetricsWriter | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.device = ctx.device
+        self.run_dir = Path(cfg.run.dir)
+        self.log = rank_logger(self.run_dir, ctx.rank)
+        self.metrics = metrics or MetricsWriter(self.run_dir, cfg.train.steps, cfg.train.log_interval,
+                                                active=ctx.rank == 0)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        t = cfg.train
+        self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
+        self.eval_set = eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)
+        self.memory = PeakMemory(self.device, enabled=t.track_memory)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.peak_tflops = t.peak_tflops or device_peak_tflops(self.device, t.dtype)
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_model(self) -> Llama:
+        model = Llama(self.cfg.model)
+        init_weights(model, self.cfg.run.seed)
+        model.to(self.device)
+        # Parallelism is applied here, in DESIGN.md's fixed order; so far: recompute, then DP.
+        apply_activation_checkpointing(model, self.cfg.train.recompute)
+        return model
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.size("dp")
+
+    def _autocast(self):
+        if self.cfg.train.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.ctx.world_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.ctx.group("dp"))
+        return tensor
+
+    def _sync_gradients(self) -> None:
+        """Replicated data parallelism: sum gradients over dp ranks in one flat all-reduce.
+        (A stand-in until the DDP issue brings bucketed, overlapped reduction.)"""
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _state_tensors(self):
+        yield from self.model.parameters()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                yield p.grad
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> StepResult:
+        cfg = self.cfg.train
+        t0 = time.perf_counter()
+        micro = self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, cfg.micro_batch_size)
+        with self.memory.step(self._state_tensors()):
+            counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
+                                  dtype=torch.float64, device=self.device)
+            global_tokens = self._all_reduce(counts).item()
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for inputs, targets in micro:
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                with self._autocast():
+                    logits = self.model(inputs)
+                micro_loss = token_loss_sum(logits, targets)
+                (micro_loss / global_tokens).backward()
+                loss_sum += micro_loss.detach().double()
+            self._sync_gradients()
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False).item()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.step, cfg)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = self._all_reduce(loss_sum).item() / global_tokens
+        peak = self._max_over_ranks(self.memory.last_peak)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        return StepResult(loss, grad_norm, int(global_tokens), time.perf_counter() - t0, peak)
+
+    def _max_over_ranks(self, value: int | None) -> int | None:
+        if value is None:
+            return None
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss on the fixed held-out batches; each dp rank takes every dp-th batch."""
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, (inputs, targets) in enumerate(self.eval_set):
+            if i % self.dp_size != self.ctx.coord("dp"):
+                continue
+            with self._autocast():
+                logits = self.model(inputs.to(self.device))
+            targets = targets.to(self.device)
+            totals[0] += token_loss_sum(logits, targets).double()
+            totals[1] += (targets != IGNORE_INDEX).sum()
+        self.model.train()
+        self._all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg.train
+        rows = []
+        n_devices = self.ctx.world_size
+        self.log.info("training %d steps, %d parameters", cfg.steps, sum(p.numel() for p in self.model.parameters()))
+        for _ in range(self.step, cfg.steps):
+            lr = lr_at(self.step, cfg)
+            result = self.train_step()
+            tokens = cfg.global_batch_size * cfg.seq_len
+            tokens_per_s = tokens / result.step_time_s
+            tflops = self.flops_per_token * tokens_per_s / 1e12
+            row = {
+                "step": self.step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                "tokens": tokens, "target_tokens": result.target_tokens, "tokens_per_s": tokens_per_s,
+                "step_time_s": result.step_time_s, "tflops": tflops,
+                "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, n_devices),
+                "mem_peak_bytes": result.mem_peak_bytes,
+            }
+            if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+                row["eval_loss"] = self.evaluate()
+            self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
+            self.metrics.log_step(row)
+            rows.append(row)
+        return rows
