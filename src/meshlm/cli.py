@@ -36,8 +36,6 @@ def _train_parser(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from meshlm.train.data import prepare_data
-
     if args.nproc < 1:
         return _fail_usage(f"--nproc: must be >= 1, got {args.nproc}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -46,6 +44,8 @@ def cmd_train(args) -> int:
         return _fail_usage("--rdzv-endpoint: required when --nnodes > 1 (HOST:PORT of node 0)")
     world_size = args.nproc * args.nnodes
     cfg = resolve(load_config(args.config, args.overrides), world_size=world_size)
+    from meshlm.train.data import prepare_data
+
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))

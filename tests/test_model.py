@@ -1,0 +1,268 @@
+"""The Llama decoder against Hugging Face, its initialisation, parameter counts and FLOPs."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu, peak_tflops_for_name
+from meshlm.config import ModelConfig
+from meshlm.model import Llama, count_parameters, init_weights, initial_value
+from meshlm.model.llama import RMSNorm, apply_rope, rope_tables
+from meshlm.model.presets import PRESETS
+
+transformers = pytest.importorskip("transformers")
+
+
+def small_cfg(**overrides) -> ModelConfig:
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=80, vocab_size=97,
+                max_seq_len=64, rope_theta=10000.0, tie_embeddings=False, norm_eps=1e-5)
+    return ModelConfig(preset="custom", **(base | overrides))
+
+
+def built(cfg: ModelConfig, seed: int = 0) -> Llama:
+    model = Llama(cfg)
+    init_weights(model, seed)
+    return model
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+# --------------------------------------------------------------------------- Hugging Face parity
+
+HF_NAMES = {
+    "tok_embeddings": "model.embed_tokens",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "output": "lm_head",
+}
+
+
+def hf_name(name: str) -> str:
+    """A pure renaming: rotate_half RoPE on both sides means no q/k row permutation is needed
+    (that permutation is only for checkpoints from Meta's interleaved-pair layout)."""
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name.startswith("layers."):
+        name = "model." + name
+    for ours, theirs in HF_NAMES.items():
+        name = name.replace(ours, theirs)
+    return name
+
+
+def hf_twin(model: Llama):
+    cfg = model.cfg
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        # transformers 5 moved rope_theta into rope_parameters.
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        attn_implementation="eager",  # transformers 5: a config field, no longer a model argument
+    )
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.load_state_dict({hf_name(k): v for k, v in model.state_dict().items()}, strict=True)
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == cfg.tie_embeddings
+    return hf
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,tied,seq", [
+    (4, 4, False, 16),   # multi-head
+    (8, 2, False, 13),   # grouped-query, odd length
+    (8, 2, True, 16),    # grouped-query, tied head
+    (4, 1, True, 7),     # multi-query
+    (4, 1, False, 64),   # full max_seq_len
+])
+def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq):
+    cfg = small_cfg(n_heads=n_heads, n_kv_heads=n_kv_heads, tie_embeddings=tied, n_layers=3)
+    model = built(cfg, seed=7)
+    # Init std 0.02 gives near-uniform logits, in which an error could hide; scale the weights
+    # up. x5 keeps fp32 rounding (SDPA vs HF's eager matmuls) ~7x below the 1e-5 tolerance.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(5)
+    hf = hf_twin(model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, seq))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf(input_ids=tokens, labels=tokens)
+    assert ours.dtype == torch.float32 and ours.shape == (2, seq, cfg.vocab_size)
+    assert ours.abs().max() > 1.0  # the comparison below is not of near-zero numbers
+    assert (ours - theirs.logits).abs().max() <= 1e-5
+    assert abs(next_token_loss(ours, tokens) - theirs.loss) <= 1e-5
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def test_rmsnorm_matches_its_formula():
+    norm = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    x = torch.randn(3, 5, 16)
+    expected = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+    assert norm.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_rope_rotates_each_pair_by_position_times_frequency():
+    head_dim, theta, seq = 8, 100.0, 6
+    cos, sin = rope_tables(head_dim, seq, theta)
+    x = torch.randn(1, 1, seq, head_dim)
+    out = apply_rope(x, cos, sin)
+    half = head_dim // 2
+    for p in range(seq):
+        for i in range(half):
+            angle = p * theta ** (-2 * i / head_dim)
+            a, b = x[0, 0, p, i].item(), x[0, 0, p, i + half].item()
+            assert out[0, 0, p, i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
+            assert out[0, 0, p, i + half].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cos, sin = rope_tables(16, 32, 10000.0)
+    q, k = torch.randn(16), torch.randn(16)
+
+    def score(q_pos, k_pos):
+        qr = apply_rope(q.view(1, 1, 1, -1), cos[q_pos], sin[q_pos])
+        kr = apply_rope(k.view(1, 1, 1, -1), cos[k_pos], sin[k_pos])
+        return (qr * kr).sum().item()
+
+    assert score(5, 2) == pytest.approx(score(20, 17), abs=1e-5)
+
+
+def test_model_is_causal():
+    model = built(small_cfg())
+    tokens = torch.randint(0, 97, (2, 12))
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 97
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :7], after[:, :7])
+    assert not torch.allclose(before[:, 7:], after[:, 7:])
+
+
+def test_explicit_positions_equal_the_default_ones():
+    model = built(small_cfg())
+    tokens = torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, positions=torch.arange(10)), model(tokens), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_bfloat16_forward_runs_in_bfloat16():
+    model = built(small_cfg()).to(torch.bfloat16)
+    logits = model(torch.randint(0, 97, (2, 9)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+# --------------------------------------------------------------------------- initialisation and tying
+
+
+def test_tied_head_is_the_embedding():
+    model = built(small_cfg(tie_embeddings=True))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in dict(model.named_parameters())  # one tensor, initialised once
+    untied = built(small_cfg(tie_embeddings=False))
+    assert untied.output.weight is not untied.tok_embeddings.weight
+    assert not torch.equal(untied.output.weight, untied.tok_embeddings.weight)
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = built(small_cfg(), 3).state_dict(), built(small_cfg(), 3).state_dict(), built(small_cfg(), 4).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
+    # Different names draw from different streams even with equal shapes.
+    assert not torch.equal(a["layers.0.attention.wq.weight"], a["layers.1.attention.wq.weight"])
+
+
+def test_init_does_not_depend_on_the_global_rng_or_on_the_layout():
+    cfg = small_cfg(n_layers=4)
+    torch.manual_seed(123)
+    full = built(cfg, seed=5).state_dict()
+    name = "layers.1.attention.wq.weight"
+    torch.manual_seed(456)
+    assert torch.equal(full[name], built(cfg, seed=5).state_dict()[name])
+    # What a pipeline stage or a tensor-parallel rank computes for the pieces it owns:
+    assert torch.equal(full[name], initial_value(name, tuple(full[name].shape), 5, cfg))
+    rows = initial_value(name, tuple(full[name].shape), 5, cfg)[8:16]  # rank 1 of 4, column-parallel
+    assert torch.equal(rows, full[name][8:16])
+
+
+def test_init_distributions():
+    cfg = small_cfg(dim=64, ffn_dim=256, n_layers=8)
+    params = dict(built(cfg).named_parameters())
+    assert torch.equal(params["layers.3.ffn_norm.weight"], torch.ones(64))
+    assert torch.equal(params["norm.weight"], torch.ones(64))
+    assert params["tok_embeddings.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert params["layers.3.feed_forward.w1.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert params["layers.3.feed_forward.w2.weight"].std().item() == pytest.approx(0.02 / 4, rel=0.05)
+
+
+def test_meta_init_then_to_empty_equals_direct_init():
+    cfg = small_cfg(tie_embeddings=True)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, 11)
+    assert model.output.weight is model.tok_embeddings.weight
+    direct = built(cfg, 11)
+    tokens = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), direct(tokens))
+
+
+# --------------------------------------------------------------------------- counts and FLOPs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_matches_the_built_model(tied):
+    cfg = small_cfg(tie_embeddings=tied)
+    counts = count_parameters(cfg)
+    assert counts["total"] == sum(p.numel() for p in Llama(cfg).parameters())
+    assert counts["head"] == (0 if tied else 97 * 32)
+
+
+def test_parameter_count_of_published_models():
+    llama2_7b = ModelConfig(preset="llama2-7b", **PRESETS["llama2-7b"])
+    assert count_parameters(llama2_7b)["total"] == 6_738_415_616  # Meta's Llama-2-7b
+    llama3_8b = ModelConfig(preset="llama3-8b", **PRESETS["llama3-8b"])
+    assert count_parameters(llama3_8b)["total"] == 8_030_261_248  # Meta's Llama-3-8B
+
+
+def test_flops_per_token_by_hand():
+    cfg = ModelConfig(preset="debug", **PRESETS["debug"])  # dim 64, 2 layers, 4 heads, 2 kv, ffn 160, vocab 512
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # wq, wk, wv (2 kv heads of 16), wo = 12288
+    mlp = 3 * 64 * 160  # 30720
+    head = 512 * 64  # 32768
+    n_matmul = 2 * (attention + mlp) + head  # 118784
+    assert flops_per_token(cfg, 128) == 6 * n_matmul + 12 * 2 * 64 * 128 == 909_312
+    # Tying does not remove the head's matmul.
+    assert flops_per_token(dataclasses.replace(cfg, tie_embeddings=True), 128) == 909_312
+
+
+def test_peak_lookup_and_mfu():
+    assert peak_tflops_for_name("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
+    assert peak_tflops_for_name("NVIDIA H100 PCIe", "bfloat16") == 756.0
+    assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB", "float32") == 156.0
+    assert peak_tflops_for_name("NVIDIA A10G", "bfloat16") == 125.0
+    assert peak_tflops_for_name("NVIDIA L4", "bfloat16") == 121.0
+    assert peak_tflops_for_name("Some Future GPU", "bfloat16") is None
+    assert device_peak_tflops(torch.device("cpu"), "bfloat16") is None
+    assert mfu(1000.0, 1e9, 100.0, 2) == pytest.approx(0.005)
+    assert mfu(1000.0, 1e9, None, 2) is None
