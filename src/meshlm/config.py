@@ -49,7 +49,7 @@ class TrainConfig:
     steps: int = 400
     seq_len: int = 128
     micro_batch_size: int = 16
-    global_batch_size: int = 32
+    global_batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 40

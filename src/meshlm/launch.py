@@ -32,6 +32,8 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     # One intra-op thread per rank unless the user chose otherwise: N ranks x all cores each
     # oversubscribes the CPU badly (torchrun would set the same, with a warning).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The launcher already used the tokenizers thread pool; ranks need none of it.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = get_args_parser().parse_args(torchrun_args(nproc, module, module_args, **kwargs))
     try:
         run(args)

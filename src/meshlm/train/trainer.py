@@ -110,30 +110,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self) -> StepResult:
+    def forward_backward(self) -> tuple[torch.Tensor, float]:
+        """Gradients of this step's global mean token loss, summed over dp ranks, left in `.grad`.
+
+        Returns (this rank's summed token loss, the global target-token count). Each micro-batch
+        backpropagates `loss_sum / global_tokens`, so accumulation over micro-batches and ranks is
+        a plain sum and every layout produces the gradient of the same global mean.
+        """
         cfg = self.cfg.train
-        t0 = time.perf_counter()
         micro = self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, cfg.micro_batch_size)
+        counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
+                              dtype=torch.float64, device=self.device)
+        global_tokens = self._all_reduce(counts).item()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in micro:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self._autocast():
+                logits = self.model(inputs)
+            micro_loss = token_loss_sum(logits, targets)
+            (micro_loss / global_tokens).backward()
+            loss_sum += micro_loss.detach().double()
+        self._sync_gradients()
+        return loss_sum, global_tokens
+
+    def optimizer_step(self) -> float:
+        """Clip (returning the pre-clip global gradient norm), set the LR, AdamW, zero grads."""
+        cfg = self.cfg.train
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False).item()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, cfg)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
         with self.memory.step(self._state_tensors()):
-            counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
-                                  dtype=torch.float64, device=self.device)
-            global_tokens = self._all_reduce(counts).item()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for inputs, targets in micro:
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
-                with self._autocast():
-                    logits = self.model(inputs)
-                micro_loss = token_loss_sum(logits, targets)
-                (micro_loss / global_tokens).backward()
-                loss_sum += micro_loss.detach().double()
-            self._sync_gradients()
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False).item()
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(self.step, cfg)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum, global_tokens = self.forward_backward()
+            grad_norm = self.optimizer_step()
         loss = self._all_reduce(loss_sum).item() / global_tokens
         peak = self._max_over_ranks(self.memory.last_peak)
         if self.device.type == "cuda":
