@@ -255,6 +255,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size: {t.global_batch_size} is not divisible by "
              f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
+    from meshlm.mesh import check_layout  # the checks that need model and layout together
+
+    check_layout(cfg, world_size)
     # Until the parallel issues land, only (replicated) data parallelism runs.
     for key, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("zero", p.zero)):
         _require(value == (0 if key == "zero" else 1), f"parallel.{key}={value}: not implemented yet in this version")

@@ -1,0 +1,281 @@
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm.comm import P2P, Comm, FlightRecorder
+from meshlm.comm.cost import HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time, rank_traffic, save_profile, steps
+from meshlm.mesh import Layout, ParallelContext
+from meshlm.testing import run_ranks
+
+# --------------------------------------------------------------------------- formulas (no processes)
+
+
+def test_bus_factors_and_steps_are_the_ring_formulas():
+    n = 4
+    assert (steps("all_reduce", n), bus_factor("all_reduce", n)) == (6, 1.5)  # 2(n-1), 2(n-1)/n
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert (steps(op, n), bus_factor(op, n)) == (3, 0.75)  # n-1, (n-1)/n
+    assert (steps("broadcast", n), bus_factor("broadcast", n)) == (3, 1.0)
+    assert (steps("p2p", 2), bus_factor("p2p", 2)) == (1, 1.0)
+    assert bus_factor("all_reduce", 1) == 0 and steps("all_gather", 1) == 0
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_per_rank_traffic_equals_the_formulas_exactly(n):
+    for numel in (1, max(1, n - 1), n, 7 * n + 3, 1000, 4096):
+        S = numel * 4
+        per_rank = {op: [rank_traffic(op, n, r, numel, 4) for r in range(n)]
+                    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        # Every byte sent is received; over the group, the totals are the ring's.
+        for op, factor in (("all_reduce", 2 * (n - 1)), ("all_gather", n - 1), ("reduce_scatter", n - 1),
+                           ("broadcast", n - 1)):
+            assert sum(s for s, _ in per_rank[op]) == sum(r for _, r in per_rank[op]) == factor * S, (op, n, numel)
+        if numel % n == 0:  # then every rank carries exactly its share: 2(n-1)/n * S and (n-1)/n * S
+            assert all(t == (2 * (n - 1) * S // n,) * 2 for t in per_rank["all_reduce"])
+            assert all(t == ((n - 1) * S // n,) * 2 for t in per_rank["all_gather"] + per_rank["reduce_scatter"])
+            assert all(rank_traffic("all_to_all", n, r, numel, 4) == ((n - 1) * S // n,) * 2 for r in range(n))
+    assert rank_traffic("broadcast", 4, 2, 10, 4, root=2) == (40, 0)  # the root only sends
+    assert rank_traffic("broadcast", 4, 1, 10, 4, root=2) == (0, 40)  # the chain's last only receives
+
+
+def test_topology_tiers_a_group_spanning_nodes_runs_at_the_slower_tier():
+    h100 = HARDWARE["h100"]
+    S = 2**30
+    assert h100.link(range(8)) == h100.intra  # a tp group inside one node
+    assert h100.link([0, 8]) == Link(h100.inter.alpha_s, h100.inter.bandwidth_Bps)  # dp across nodes
+    assert h100.time("all_reduce", S, 8) == pytest.approx(14 * 2e-6 + 1.75 * S / 450e9, rel=1e-12)
+    assert h100.time("all_reduce", S, 16) == pytest.approx(30 * 6e-6 + (30 / 16) * S / 50e9, rel=1e-12)
+    mixed = Topology("t", 2, intra=Link(1e-6, 100e9), inter=Link(5e-6, 200e9))
+    assert mixed.link([0, 2]) == Link(5e-6, 100e9)  # slower on both terms
+    for name in ("h100", "a100", "pcie", "cpu-loopback"):
+        assert HARDWARE[name].time("all_gather", 2**20, 4) > 0
+    # Bandwidth dominates large messages: time grows with S almost linearly.
+    t1, t2 = op_time("all_reduce", 2**26, 8, h100.intra), op_time("all_reduce", 2**27, 8, h100.intra)
+    assert 1.9 < t2 / t1 < 2.0
+
+
+def test_fit_recovers_alpha_and_beta_and_shrugs_off_an_outlier():
+    sizes = [2**k for k in range(10, 27)]
+    truth = Link(alpha_s=80e-6, bandwidth_Bps=1.2e9)
+    times = [op_time("all_reduce", s, 4, truth) for s in sizes]
+    fit = fit_alpha_beta("all_reduce", 4, sizes, times)
+    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6)
+    times[5] *= 6  # one stall on a noisy machine
+    fit = fit_alpha_beta("all_reduce", 4, sizes, times)
+    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=0.02)
+    assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=0.02)
+
+
+def test_profile_round_trips(tmp_path):
+    topo = Topology("m", 2, Link(1e-4, 1e9), Link(2e-4, 5e8), op_links={"all_reduce": Link(3e-4, 7e8)}, note="x")
+    save_profile(topo, tmp_path / "p.json", fit_median_rel_err_ge_64KiB=0.1)
+    assert load_profile(tmp_path / "p.json") == topo
+
+
+def test_recorder_is_bounded_but_the_summary_counts_everything(tmp_path):
+    import json
+
+    rec = FlightRecorder(rank=3, capacity=8)
+    for _ in range(20):
+        rec.finish(rec.start("all_reduce", "dp", 4, torch.float32, 10, 40, 60, 60))
+    hung = rec.start("all_gather", "tp", 2, torch.bfloat16, 8, 16, 8, 8)  # never finished
+    assert len(rec.dump()) == 8 and [d["seq"] for d in rec.dump()] == list(range(13, 20)) + [0]
+    (row,) = rec.summary()
+    assert (row["count"], row["bytes"], row["bytes_sent"]) == (20, 800, 1200)
+    (pending,) = rec.pending()
+    assert (pending["op"], pending["axis"], pending["dtype"], pending["rank"], pending["t_end"]) == \
+        ("all_gather", "tp", "bfloat16", 3, None)
+    rec.write(tmp_path / "flight.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "flight.jsonl").read_text().splitlines()]
+    assert lines[-1]["op"] == "all_gather" and lines[0]["t_end"] >= lines[0]["t_start"] > 1e9
+    assert hung.t_end is None
+
+
+def test_groups_of_one_rank_communicate_nothing_and_record_nothing():
+    comm = Comm(ParallelContext(Layout()))  # world of 1, no process group
+    x = torch.arange(4.0)
+    out = torch.empty(4)
+    comm.all_reduce(x, "dp")
+    comm.all_gather(out, x, "tp")
+    comm.all_reduce(x, "dp", async_op=True).wait()
+    assert torch.equal(x, torch.arange(4.0)) and torch.equal(out, x)
+    assert comm.summary() == [] and comm.recorder.dump() == []
+
+
+# --------------------------------------------------------------------------- traced collectives (n ranks)
+
+
+def _traced_rank(n):
+    ctx = ParallelContext(Layout(dp=n))
+    comm = Comm(ctx)
+    r = ctx.rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.full((1000,), float(r + 1))
+        comm.all_reduce(a, "dp")
+        assert torch.equal(a, torch.full((1000,), n * (n + 1) / 2))
+        b = torch.arange(1001.0) * (r + 1)  # not divisible by n
+        comm.all_reduce(b, "dp")
+        assert torch.equal(b, torch.arange(1001.0) * n * (n + 1) / 2)
+        gathered = torch.empty(250 * n)
+        comm.all_gather(gathered, torch.full((250,), float(r)), "dp")
+        assert torch.equal(gathered, torch.arange(n).float().repeat_interleave(250))
+        part = torch.empty(250)
+        comm.reduce_scatter(part, torch.arange(250.0 * n) * (r + 1), "dp")
+        assert torch.equal(part, torch.arange(250.0 * r, 250.0 * (r + 1)) * n * (n + 1) / 2)
+        out = torch.empty(3 * n)
+        comm.all_to_all(out, torch.arange(3.0 * n) + 100 * r, "dp")
+        assert torch.equal(out, torch.cat([torch.arange(3.0 * r, 3.0 * r + 3) + 100 * j for j in range(n)]))
+        c = torch.full((10,), float(r))
+        comm.broadcast(c, src=n - 1, axis="dp")
+        assert torch.equal(c, torch.full((10,), float(n - 1)))
+        got = torch.empty(16)
+        comm.batch_isend_irecv([P2P("send", torch.full((16,), float(r)), (r + 1) % n),
+                                P2P("recv", got, (r - 1) % n)], axis="dp").wait()
+        assert torch.equal(got, torch.full((16,), float((r - 1) % n)))
+        z = torch.ones(64)
+        handle = comm.all_reduce(z, "dp", async_op=True)
+        pending = [d["op"] for d in comm.recorder.pending()]
+        handle.wait()
+        handle.wait()  # twice is harmless and counted once
+        assert pending == ["all_reduce"] and comm.recorder.pending() == []
+        assert torch.equal(z, torch.full((64,), float(n)))
+        comm.barrier()
+    return {"summary": comm.summary(), "seq": comm.recorder.sequence_numbers(),
+            "warnings": [str(w.message) for w in caught], "table": comm.format_summary()}
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_traced_collectives_record_exact_bytes(n):
+    results = run_ranks(_traced_rank, n, n, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["warnings"] == []  # the non-deprecated tensor collectives of torch 2.13
+        rows = {(row["op"], row["axis"]): row for row in out["summary"]}
+        assert set(rows) == {("all_reduce", "dp"), ("all_gather", "dp"), ("reduce_scatter", "dp"),
+                             ("all_to_all", "dp"), ("broadcast", "dp"), ("send", "dp"), ("recv", "dp"),
+                             ("barrier", "world")}
+        ar, ag, rs, a2a = (rows[(op, "dp")] for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"))
+        assert (ar["count"], ar["bytes"], ar["group_size"]) == (3, 4000 + 4004 + 256, n)
+        S = 250 * n * 4  # the gathered output / the input before scattering
+        assert ag["bytes_sent"] == ag["bytes_recv"] == (n - 1) * S // n and ag["bytes"] == S
+        assert rs["bytes_sent"] == rs["bytes_recv"] == (n - 1) * S // n and rs["bytes"] == S
+        assert a2a["bytes_sent"] == a2a["bytes_recv"] == (n - 1) * (3 * n * 4) // n
+        assert rows[("send", "dp")]["bytes_sent"] == rows[("recv", "dp")]["bytes_recv"] == 64
+        for row in out["summary"]:
+            if row["time_s"] > 0 and row["op"] != "barrier":
+                assert row["busbw"] == pytest.approx(row["algbw"] * bus_factor(row["op"], row["group_size"]))
+                assert row["algbw"] == pytest.approx(row["bytes"] / row["time_s"])
+        assert out["seq"]["dp"] == 7 and out["seq"]["world"] == 1  # 7 collectives on dp, one barrier
+        assert "all_reduce" in out["table"]
+    # The ring formula over all ranks, including the 1001-element tensor that n does not divide.
+    sent = [next(row["bytes_sent"] for row in o["summary"] if row["op"] == "all_reduce") for o in results]
+    assert sum(sent) == 2 * (n - 1) * (4000 + 4004 + 256)
+
+
+# --------------------------------------------------------------------------- ring algorithms
+
+
+def _assert_close(actual, expected):
+    # torch.testing.assert_close's float32 tolerances, without its import of DTensor and sympy,
+    # which costs each forked rank ~3 s. Summation order differs between ring and library.
+    assert actual.shape == expected.shape and torch.allclose(actual, expected, rtol=1.3e-6, atol=1e-5), \
+        (actual - expected).abs().max()
+
+
+def _ring_sizes(n):  # fewer elements than ranks, sizes n does not divide, sizes it divides
+    return sorted({1, n - 1, 7 * n + 3, 8 * n, 1000})
+
+
+def _ring_rank(n):
+    from meshlm.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+    ctx = ParallelContext(Layout(dp=n))
+    r = ctx.rank
+    counts = {}
+    for numel in _ring_sizes(n):
+        g = torch.Generator().manual_seed(1000 * r + numel)
+        x = torch.randn(numel, generator=g)
+        # The library all_reduce goes through the traced layer too, so its recorded bytes (the
+        # formula) can be compared with the bytes the ring really sent, counted on its P2P ops.
+        ring_comm, lib_comm = Comm(ctx), Comm(ctx)
+        lib = x.clone()
+        lib_comm.all_reduce(lib, "dp")
+        _assert_close(ring_all_reduce(ring_comm, x.clone(), "dp"), lib)
+        rows = {row["op"]: row for row in ring_comm.summary()}
+        (lib_row,) = lib_comm.summary()
+        counts[numel] = (rows["send"]["bytes_sent"] if rows else 0, rows["recv"]["bytes_recv"] if rows else 0,
+                         lib_row["bytes_sent"], lib_row["bytes_recv"], rows["send"]["count"] if rows else 0)
+
+        mine = ring_reduce_scatter(Comm(ctx), x, "dp")
+        _assert_close(mine, lib.tensor_split(n)[r])
+        if numel % n == 0:
+            lib_part = torch.empty(numel // n)
+            dist.reduce_scatter_single(lib_part, x)
+            _assert_close(mine, lib_part)
+            lib_all = torch.empty(numel)
+            dist.all_gather_single(lib_all, x[: numel // n].contiguous())
+            assert torch.equal(ring_all_gather(Comm(ctx), x[: numel // n], "dp"), lib_all)
+    xi = torch.randint(-1000, 1000, (7 * n + 3,), generator=torch.Generator().manual_seed(r))
+    lib_i = xi.clone()
+    dist.all_reduce(lib_i)
+    assert torch.equal(ring_all_reduce(Comm(ctx), xi.clone(), "dp"), lib_i)  # integers: exactly equal
+    sizes = [i + 1 for i in range(n)]  # uneven chunks: rank i contributes i+1 elements
+    gathered = ring_all_gather(Comm(ctx), torch.full((sizes[r],), float(r)), "dp", sizes)
+    assert torch.equal(gathered, torch.cat([torch.full((s,), float(i)) for i, s in enumerate(sizes)]))
+    return counts
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_ring_algorithms_equal_the_library_collectives(n):
+    results = run_ranks(_ring_rank, n, n, timeout=120)
+    for counts in results:
+        ring_sent, ring_recv, lib_sent, lib_recv, sends = counts[8 * n]
+        assert ring_sent == ring_recv == lib_sent == lib_recv == 2 * (n - 1) * (8 * n * 4) // n
+        assert sends == 2 * (n - 1)  # 2(n-1) steps, one message each
+        for numel in _ring_sizes(n):
+            ring_sent, ring_recv, lib_sent, lib_recv, _ = counts[numel]
+            assert (ring_sent, ring_recv) == (lib_sent, lib_recv)
+    for numel in _ring_sizes(n):  # over the group: 2(n-1) * S whatever the chunking
+        assert sum(c[numel][0] for c in results) == 2 * (n - 1) * numel * 4
+
+
+# --------------------------------------------------------------------------- meshlm bench comm
+
+
+def test_bench_parses_sizes_and_rejects_bad_usage_with_exit_2(capsys):
+    from meshlm.comm.bench import main, parse_size
+
+    assert [parse_size(s) for s in ("4096", "64K", "1M", "2MiB")] == [4096, 65536, 2**20, 2**21]
+    assert main(["--nproc", "1"]) == 2
+    assert main(["--ops", "all_reduce,gossip"]) == 2
+    assert main(["--sizes", "lots"]) == 2
+    assert main(["--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc: needs at least 2 ranks" in err and "unknown ['gossip']" in err and "not a size" in err
+
+
+def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
+    import json
+
+    from meshlm.comm.bench import main
+
+    profile = tmp_path / "profile.json"
+    args = ["--sizes", "4K,256K", "--ops", "all_reduce,all_gather,p2p", "--trials", "2", "--max-iters", "2"]
+    assert main([*args, "--json", "--save-profile", str(profile)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["rows"]) == 6 and report["world_size"] == 2
+    for row in report["rows"]:
+        for key in ("name", "op", "bytes", "world_size", "time_s", "algbw", "busbw", "predicted_time_s"):
+            assert key in row
+        assert row["busbw"] == pytest.approx(row["algbw"] * bus_factor(row["op"], 2))
+    assert set(report["fit"]) == {"all_reduce", "all_gather", "p2p"}
+    assert report["tracing_overhead"]["bookkeeping_s"] > 0
+    saved = load_profile(profile)
+    assert set(saved.op_links) == {"all_reduce", "all_gather"} and saved.intra.bandwidth_Bps > 0
+    # Predict with the saved profile instead of a fresh fit: an out-of-sample check.
+    assert main([*args, "--profile", str(profile), "--no-overhead"]) == 0
+    table = capsys.readouterr().out
+    assert "busbw(GB/s)" in table and "model measured-gloo-2" in table
