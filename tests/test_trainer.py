@@ -50,7 +50,7 @@ def grads_then_steps(cfg, n_steps=3, loader_cls=None):
     trainer = build_trainer(cfg, loader_cls)
     trainer.forward_backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.dp.zero_grad()
     losses = [trainer.train_step().loss for _ in range(n_steps)]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return grads, losses, params

@@ -111,7 +111,7 @@ def cmd_generate(args) -> int:
 # --------------------------------------------------------------------------- bench
 
 
-BENCHES = {"comm": "meshlm.comm.bench"}
+BENCHES = {"comm": "meshlm.comm.bench", "dp": "meshlm.bench.dp", "tp": "meshlm.bench.tp", "pp": "meshlm.bench.pp"}
 
 
 def _bench_parser(sub) -> None:

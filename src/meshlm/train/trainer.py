@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshlm.comm import Comm
 from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
 from meshlm.config import Config
 from meshlm.model import Llama, init_weights
+from meshlm.parallel.data_parallel import build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
 from meshlm.train.data import PreparedData, TokenLoader, eval_batches
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
-from meshlm.train.optim import build_optimizer, lr_at
+from meshlm.train.optim import lr_at
 
 IGNORE_INDEX = -100
 
@@ -48,13 +50,14 @@ class Trainer:
     def __init__(self, cfg: Config, ctx, data: PreparedData, metrics: MetricsWriter | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.comm = Comm(ctx)  # every collective goes through it: traced, summarised at the end
         self.device = ctx.device
         self.run_dir = Path(cfg.run.dir)
         self.log = rank_logger(self.run_dir, ctx.rank)
         self.metrics = metrics or MetricsWriter(self.run_dir, cfg.train.steps, cfg.train.log_interval,
                                                 active=ctx.rank == 0)
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.dp = build_data_parallel(self.model, cfg, self.comm)
         t = cfg.train
         self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
         self.eval_set = eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)
@@ -83,30 +86,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.ctx.world_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.ctx.group("dp"))
+        self.comm.all_reduce(tensor, "dp", op=op)
         return tensor
-
-    def _sync_gradients(self) -> None:
-        """Replicated data parallelism: sum gradients over dp ranks in one flat all-reduce.
-        (A stand-in until the DDP issue brings bucketed, overlapped reduction.)"""
-        if self.dp_size == 1:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _state_tensors(self):
-        yield from self.model.parameters()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                yield p.grad
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # ------------------------------------------------------------------ one step
 
@@ -123,31 +104,27 @@ class Trainer:
                               dtype=torch.float64, device=self.device)
         global_tokens = self._all_reduce(counts).item()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in micro:
+        for i, (inputs, targets) in enumerate(micro):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self._autocast():
-                logits = self.model(inputs)
-            micro_loss = token_loss_sum(logits, targets)
-            (micro_loss / global_tokens).backward()
+            # Gradients are reduced across dp ranks only with the last micro-batch's backward.
+            with self.dp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                with self._autocast():
+                    logits = self.dp.module(inputs)
+                micro_loss = token_loss_sum(logits, targets)
+                (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().double()
-        self._sync_gradients()
+        self.dp.finish_backward()
         return loss_sum, global_tokens
 
     def optimizer_step(self) -> float:
-        """Clip (returning the pre-clip global gradient norm), set the LR, AdamW, zero grads."""
-        cfg = self.cfg.train
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False).item()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, cfg)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """Clip (returning the pre-clip global gradient norm), AdamW at this step's LR, zero grads."""
+        grad_norm = self.dp.clip_and_step(lr_at(self.step, self.cfg.train), self.cfg.train.grad_clip)
+        self.dp.zero_grad()
         return grad_norm
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
-        with self.memory.step(self._state_tensors()):
+        with self.memory.step(self.dp.state_tensors()):
             loss_sum, global_tokens = self.forward_backward()
             grad_norm = self.optimizer_step()
         loss = self._all_reduce(loss_sum).item() / global_tokens
@@ -161,24 +138,23 @@ class Trainer:
         if value is None:
             return None
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        if self.ctx.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(t, "world", op=dist.ReduceOp.MAX)
         return int(t.item())
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss on the fixed held-out batches; each dp rank takes every dp-th batch."""
-        self.model.eval()
+        self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, (inputs, targets) in enumerate(self.eval_set):
             if i % self.dp_size != self.ctx.coord("dp"):
                 continue
             with self._autocast():
-                logits = self.model(inputs.to(self.device))
+                logits = self.dp.module(inputs.to(self.device))
             targets = targets.to(self.device)
             totals[0] += token_loss_sum(logits, targets).double()
             totals[1] += (targets != IGNORE_INDEX).sum()
-        self.model.train()
+        self.dp.module.train()
         self._all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
@@ -207,4 +183,7 @@ class Trainer:
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
+        if self.ctx.world_size > 1:
+            self.metrics.print(self.comm.format_summary(f"communication on rank {self.ctx.rank} ({cfg.steps} steps)"))
+        self.comm.recorder.write(self.run_dir / "logs" / f"comm_rank{self.ctx.rank}.jsonl")
         return rows

@@ -21,9 +21,11 @@ TOKENIZER = "tokenizer.json"
 CONFIG = "config.toml"
 
 
-def save_final(model: torch.nn.Module, cfg: Config, tokenizer_path: Path, run_dir: Path) -> Path:
-    """Write `run_dir/final/` atomically: into a temp dir, then one rename, so a crash never leaves
-    a half-written model where a good one was."""
+def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path: Path, run_dir: Path) -> Path:
+    """Write the full (unsharded) weights to `run_dir/final/` atomically: into a temp dir, then
+    one rename, so a crash never leaves a half-written model where a good one was."""
+    model = Llama(cfg.model)
+    model.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()})
     final = run_dir / "final"
     tmp = run_dir / "final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

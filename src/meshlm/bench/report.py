@@ -1,0 +1,53 @@
+"""The shared shape of a model benchmark's result (DESIGN.md's `--json` contract) and its table.
+
+Each bench runs meshlm and the PyTorch reference alternately on the same model, data and world
+size, and reports medians of the paired runs: ratios > 1 in tokens/s and < 1 in memory favour
+meshlm.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+
+def bench_row(name: str, world_size: int, reference: str, meshlm_tokens_per_s: list[float],
+              reference_tokens_per_s: list[float], meshlm_peak_bytes: int, reference_peak_bytes: int,
+              **extra: Any) -> dict[str, Any]:
+    """One row: medians of the paired measurements and their ratios (meshlm / reference).
+
+    The tokens/s ratio is the median of per-pair ratios, so a slow spell of the machine that hits
+    both members of a pair cancels out."""
+    if len(meshlm_tokens_per_s) != len(reference_tokens_per_s) or not meshlm_tokens_per_s:
+        raise ValueError("need the same, non-zero number of meshlm and reference measurements")
+    ratios = [m / r for m, r in zip(meshlm_tokens_per_s, reference_tokens_per_s)]
+    return {
+        "name": name, "world_size": world_size,
+        "meshlm_tokens_per_s": statistics.median(meshlm_tokens_per_s),
+        "reference": reference, "reference_tokens_per_s": statistics.median(reference_tokens_per_s),
+        "tokens_per_s_ratio": statistics.median(ratios),
+        "meshlm_peak_bytes": int(meshlm_peak_bytes), "reference_peak_bytes": int(reference_peak_bytes),
+        "memory_ratio": meshlm_peak_bytes / reference_peak_bytes if reference_peak_bytes else None,
+        "pairs": len(ratios), **extra,
+    }
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    header = f"{'name':<22} {'ws':>3} {'meshlm tok/s':>13} {'reference':<28} {'ref tok/s':>11} {'ratio':>6} " \
+             f"{'meshlm MiB':>11} {'ref MiB':>9} {'mem ratio':>9}"
+    lines = [header]
+    for r in rows:
+        mem = "n/a" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}"
+        lines.append(f"{r['name']:<22} {r['world_size']:>3} {r['meshlm_tokens_per_s']:>13,.0f} "
+                     f"{r['reference']:<28} {r['reference_tokens_per_s']:>11,.0f} {r['tokens_per_s_ratio']:>6.3f} "
+                     f"{r['meshlm_peak_bytes'] / 2**20:>11.1f} {r['reference_peak_bytes'] / 2**20:>9.1f} {mem:>9}")
+    return "\n".join(lines)
+
+
+def emit(rows: list[dict[str, Any]], as_json: bool, **extra: Any) -> None:
+    """Print `{"rows": [...], ...}` for --json, else the table."""
+    if as_json:
+        print(json.dumps({"rows": rows, **extra}, indent=2))
+    else:
+        print(format_rows(rows))
