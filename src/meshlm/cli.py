@@ -127,6 +127,25 @@ def cmd_bench(args) -> int:
     return importlib.import_module(BENCHES[args.name]).main(args.bench_args)
 
 
+# --------------------------------------------------------------------------- simulate
+
+
+SIMULATORS = {"pipeline": "meshlm.analysis.pipeline_sim"}
+
+
+def _simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate a schedule on per-op costs (no ranks started)",
+                       description="meshlm simulate pipeline --schedule S --pp P --microbatches M [...]")
+    p.add_argument("name", choices=sorted(SIMULATORS))
+    p.add_argument("sim_args", nargs=argparse.REMAINDER)
+
+
+def cmd_simulate(args) -> int:
+    import importlib
+
+    return importlib.import_module(SIMULATORS[args.name]).main(args.sim_args)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -136,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _generate_parser(sub)
     _bench_parser(sub)
+    _simulate_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"train": cmd_train, "generate": cmd_generate, "bench": cmd_bench}
+    commands = {"train": cmd_train, "generate": cmd_generate, "bench": cmd_bench, "simulate": cmd_simulate}
     try:
         return commands[args.command](args)
     except ConfigError as e:

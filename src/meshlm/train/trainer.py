@@ -76,6 +76,12 @@ class Trainer:
         apply_activation_checkpointing(model, self.cfg.train.recompute)
         return model
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights under the single-process model's names. Collective: every
+        rank must call it (sharded layouts gather); the result is meaningful on global rank 0."""
+        state = self.dp.full_state_dict()
+        return state
+
     @property
     def dp_size(self) -> int:
         return self.ctx.size("dp")

@@ -31,7 +31,7 @@ def train_rank(cfg: Config) -> list[dict]:
     data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda *a, **k: None)
     trainer = Trainer(cfg, ctx, data)
     rows = trainer.fit()
-    state = trainer.dp.full_state_dict()  # collective for sharded layouts: every rank takes part
+    state = trainer.full_state_dict()  # collective for sharded layouts: every rank takes part
     if ctx.rank == 0:
         final = save_final(state, cfg, data.tokenizer_path, Path(cfg.run.dir))
         trainer.metrics.print(f"saved final weights to {final}")
