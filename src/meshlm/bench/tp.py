@@ -1,0 +1,260 @@
+"""`meshlm bench tp [--json]`: meshlm's tensor (+sequence) parallelism against PyTorch's DTensor TP.
+Reduces: guessing; both run the same model, weights and batches at tp=2, alternating, in one job.
+Costs: about a minute of the machine with the defaults (tiny preset, seq 128, 6 pairs per row).
+
+The reference is `torch.distributed.tensor.parallel.parallelize_module` with ColwiseParallel /
+RowwiseParallel (+ SequenceParallel on the norms, PrepareModuleInput at the attention and MLP
+entries: torchtitan's Llama plan) and `loss_parallel` for a vocabulary-sharded cross-entropy.
+Embeddings are untied in both (DTensor cannot keep one Parameter sharded for two modules).
+
+Each measurement is a training step (forward, backward, AdamW) on one micro-batch; tokens/s is
+the whole batch over the slowest rank's time; memory is the per-rank peak (CUDA's allocator on
+GPU, less what is resident before the step plus this model's own state; on CPU live tensor
+bytes from a fresh counter, with DTensors counted by their local shards). Rows follow
+DESIGN.md's bench schema (meshlm.bench.report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshlm.bench.report import bench_row, emit
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def dtensor_parallelize(model, mesh, sequence_parallel: bool) -> None:
+    """PyTorch's TP on meshlm's Llama, in place: torchtitan's plan, names as in meshlm.parallel.tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    outside = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    layer_plan = {
+        "attention": PrepareModuleInput(input_layouts=(outside, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=outside),
+        "feed_forward": PrepareModuleInput(input_layouts=(outside,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=outside),
+    }
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=outside),
+        "output": ColwiseParallel(input_layouts=outside, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        layer_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        top_plan["norm"] = SequenceParallel()
+    for block in model.layers:
+        parallelize_module(block, mesh, layer_plan)
+    parallelize_module(model, mesh, top_plan)
+
+
+def dtensor_loss_sum(logits, targets):
+    """The trainer's summed token loss on Shard(-1) DTensor logits; call inside `loss_parallel()`."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# --------------------------------------------------------------------------- measuring (every rank)
+
+
+def _live_bytes_tracker():
+    """meshlm's CPU live-bytes counter, taught to count a DTensor by its local shard."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    from meshlm.train.memtrack import LiveTensorBytes
+
+    class ShardAwareLiveBytes(LiveTensorBytes):
+        def _note(self, t):
+            if isinstance(t, DTensor):
+                t = t._local_tensor
+            if isinstance(t, AsyncCollectiveTensor):  # a collective's result, wrapped until used
+                t = t.elem
+            super()._note(t)
+
+    return ShardAwareLiveBytes()
+
+
+class _PeakMeter:
+    """Peak bytes of one step of one model. On CPU a fresh tracker each time, so the other
+    model (alive, alternating with this one) is not counted. On GPU both models' state is in the
+    allocator's peak; the other model's is subtracted by the caller via `resident`."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def measure(self, fn, state):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            mine = sum(t.numel() * t.element_size() for t in map(_local, state))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            fn()
+            return int(torch.cuda.max_memory_allocated(self.device) - before + mine)
+        tracker = _live_bytes_tracker()
+        tracker.track(state)
+        tracker.reset_peak()
+        with tracker:
+            fn()
+        return int(tracker.peak)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _build(kind: str, cfg, comm, mesh, device):
+    """(model, optimizer, loss function, context manager for the loss) for 'meshlm' or 'dtensor'."""
+    import contextlib
+
+    from meshlm.model import Llama, init_weights
+    from meshlm.parallel.tensor import apply_tensor_parallel
+
+    model = Llama(cfg)
+    init_weights(model, 1234)
+    model.to(device)
+    sp = kind.endswith("+sp")
+    if kind.startswith("meshlm"):
+        tp = apply_tensor_parallel(model, comm, sp)
+        loss_fn, loss_ctx = tp.loss_sum, contextlib.nullcontext
+    else:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        dtensor_parallelize(model, mesh, sp)
+        loss_fn, loss_ctx = dtensor_loss_sum, loss_parallel
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    return model, opt, loss_fn, loss_ctx
+
+
+def _bench_rank(args_dict: dict) -> list[dict]:
+    """Run on every rank: alternate meshlm and DTensor steps, return rank 0's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.comm import Comm
+    from meshlm.config import load_config, resolve
+    from meshlm.mesh import Layout, ParallelContext
+
+    a = argparse.Namespace(**args_dict)
+    world = dist.get_world_size()
+    ctx = ParallelContext(Layout(tp=world))
+    comm = Comm(ctx)
+    mesh = init_device_mesh(ctx.device.type, (world,))
+    cfg = resolve(load_config(None, [f"model.preset={a.preset}", "model.tie_embeddings=false",
+                                     f"train.seq_len={a.seq_len}", f"parallel.tp={world}"]), world_size=world).model
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len + 1), generator=gen).to(ctx.device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    meter = _PeakMeter(ctx.device)
+    rows = []
+    for sp in a.sp_modes:
+        pair = {}
+        for kind in (("meshlm+sp", "dtensor+sp") if sp else ("meshlm", "dtensor")):
+            pair[kind] = _build(kind, cfg, comm, mesh, ctx.device)
+        times = {k: [] for k in pair}
+        peaks = {}
+
+        def step(kind):
+            model, opt, loss_fn, loss_ctx = pair[kind]
+            with loss_ctx():
+                loss = loss_fn(model(inputs), targets) / targets.numel()
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for i in range(a.warmup + a.pairs):
+            order = list(pair) if i % 2 == 0 else list(pair)[::-1]  # alternate who goes first
+            for kind in order:
+                model, opt = pair[kind][0], pair[kind][1]
+                if i == a.warmup - 1:  # measure memory once, warm (optimizer state exists)
+                    state = [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
+                    peaks[kind] = meter.measure(lambda: step(kind), state)
+                    continue
+                dist.barrier()
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(kind)
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                if i >= a.warmup:
+                    times[kind].append(elapsed.item())
+        peak = {}
+        for kind, value in peaks.items():
+            t = torch.tensor([float(value)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak[kind] = int(t.item())
+        mine, ref = list(pair)
+        tokens_per_step = a.batch * a.seq_len
+        rows.append(bench_row(
+            f"tp{world}" + ("+sp" if sp else ""), world, "DTensor " + ("TP+SequenceParallel" if sp else "TP"),
+            [tokens_per_step / t for t in times[mine]], [tokens_per_step / t for t in times[ref]],
+            peak[mine], peak[ref], preset=a.preset, seq_len=a.seq_len, micro_batch=a.batch,
+            device=ctx.device.type, backend=ctx.backend))
+        del pair
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshlm bench tp", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
+    parser.add_argument("--nproc", type=int, default=2, help="tp ranks to fork when not under torchrun")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sp", choices=("both", "on", "off"), default="both")
+    args = parser.parse_args(argv)
+    if args.nproc < 2 or args.pairs < 1 or args.warmup < 1:
+        print("meshlm bench tp: error: --nproc >= 2, --pairs >= 1 and --warmup >= 1", flush=True)
+        return 2
+    from meshlm.config import ConfigError, load_config, resolve
+
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    try:
+        resolve(load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
+                                   f"parallel.tp={world}", "parallel.sp=true"]), world_size=world)
+    except ConfigError as e:
+        print(f"meshlm bench tp: error: {e}", flush=True)
+        return 2
+    params = {**vars(args), "sp_modes": {"both": [False, True], "on": [True], "off": [False]}[args.sp]}
+    if dist.is_available() and dist.is_initialized():
+        rows = _bench_rank(params)
+    elif "RANK" in os.environ:  # under torchrun: join its world
+        from meshlm.mesh import default_backend
+
+        dist.init_process_group(default_backend())
+        try:
+            rows = _bench_rank(params)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        from meshlm.testing import run_ranks
+
+        rows = run_ranks(_bench_rank, args.nproc, params, timeout=3600)[0]
+    import subprocess
+
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip() if os.name == "posix" else ""
+    emit(rows, args.json, load=load)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Vocabulary-parallel embedding, output head and cross-entropy: each tp rank owns vocab/tp rows.
+Reduces: the embedding, the head and the [tokens, vocab] logits (the largest activation of a small
+model) by 1/tp per rank. Costs: one all-reduce of [B, S, h] after the lookup (or a reduce-scatter
+under SP) and three all-reduces of [B, S] scalars in the loss; the logits are never gathered.
+
+Padding: a vocabulary not divisible by tp is padded to the next multiple with zero rows at the
+end. No token id reaches a padded row, and the head drops the padded rows before its GEMM (the
+last rank's logits are simply narrower), so padding cannot change a logit, the loss or a gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.comm import Comm
+from meshlm.parallel.tensor_layers import (TP, ParallelRegion, _ReduceFromTensorParallel, _ReduceScatterToSequence,
+                                           mark_tp_sharded, shard_rows)
+
+IGNORE_INDEX = -100  # the trainer's marker for positions without a target
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class VocabShard:
+    """Which vocabulary rows this rank owns: [start, start + real) of the padded per-rank block."""
+
+    def __init__(self, vocab_size: int, tp: int, rank: int):
+        self.vocab_size = vocab_size
+        self.per_rank = padded_vocab(vocab_size, tp) // tp
+        self.start = rank * self.per_rank
+        self.real = max(0, min(self.per_rank, vocab_size - self.start))  # < per_rank on the last rank if padded
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the tokens in its vocabulary range (others give zero rows), then the
+    partial embeddings are summed: all-reduce (TP), or reduce-scatter onto sequence shards (SP)."""
+
+    def __init__(self, embedding: nn.Embedding, comm: Comm, *, sequence_parallel: bool = False):
+        super().__init__()
+        tp, rank = comm.ctx.size(TP), comm.ctx.group_rank(TP)
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.shard = VocabShard(embedding.num_embeddings, tp, rank)
+        self.weight = nn.Parameter(shard_rows(embedding.weight.detach(), tp, rank, 0))
+        mark_tp_sharded(self.weight, 0, embedding.num_embeddings)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.shard.start
+        mine = (local >= 0) & (local < self.shard.real)
+        partial = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        partial = partial.masked_fill_(~mine.unsqueeze(-1), 0.0)  # the lookup saves only indices
+        if self.sequence_parallel:
+            return _ReduceScatterToSequence.apply(partial, self.comm)
+        return _ReduceFromTensorParallel.apply(partial, self.comm)
+
+
+class VocabParallelHead(nn.Module):
+    """The output head, column-parallel over the vocabulary: logits [B, S, real rows of this rank].
+
+    Enters the parallel region itself (TP: f; SP: all-gather of the final norm's sequence shards).
+    `weight` is a sharded [V_padded/tp, h] Parameter: the embedding's own when tied, so one
+    Parameter serves both uses and receives the sum of both gradients, exactly as unsharded.
+    """
+
+    def __init__(self, weight: nn.Parameter, shard: VocabShard, comm: Comm, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.shard = shard
+        self.region = ParallelRegion(comm, sequence_parallel)
+        mark_tp_sharded(self.weight, 0, shard.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        full = self.region.enter(x)
+        try:
+            return self.region.linear(full, self.weight[: self.shard.real])
+        finally:
+            self.region.leave()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token -log softmax(logits)[target] from vocab-sharded logits [N, V/tp].
+
+    log sum_j exp(x_j) = m + log sum_j exp(x_j - m) with m the global max (one all-reduce MAX, so
+    exp cannot overflow); the sum of exponentials and the target's logit (held by exactly one rank,
+    zero elsewhere) are summed in one all-reduce of a [2, N] tensor. Backward needs no
+    communication: d loss / d x_j = softmax_j - [j == target], computed from the saved exponentials.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, comm, inplace):
+        logits = logits.float()
+        n_tokens = logits.shape[0]
+        # sums[0] = the target's logit (0 on ranks that do not own it), sums[1] = sum of exp.
+        sums = torch.empty((2, n_tokens), dtype=torch.float32, device=logits.device)
+        global_max = torch.amax(logits, dim=-1)
+        comm.all_reduce(global_max, TP, op=torch.distributed.ReduceOp.MAX)
+        # Shifted, then exponentiated, then normalised in place: one [N, V/tp] tensor, which with
+        # `inplace` is the logits' own storage (Megatron's trick; nothing else reads the logits).
+        exp = logits.sub_(global_max.unsqueeze(-1)) if inplace else logits - global_max.unsqueeze(-1)
+        del global_max
+        local_target = targets - start
+        not_mine = (local_target < 0) | (local_target >= logits.shape[-1])
+        local_target.masked_fill_(not_mine, 0)
+        torch.gather(exp, 1, local_target.unsqueeze(-1), out=sums[0].unsqueeze(-1))
+        sums[0].masked_fill_(not_mine, 0.0)
+        torch.sum(exp.exp_(), dim=-1, out=sums[1])
+        comm.all_reduce(sums, TP)
+        ignored = targets == IGNORE_INDEX
+        loss = torch.log(sums[1]).sub_(sums[0]).masked_fill_(ignored, 0.0)
+        # Saved for backward: softmax (rows of ignored tokens zeroed, so their gradient is zero)
+        # and this rank's target column, -1 where another rank owns the target.
+        softmax = exp.div_(sums[1].unsqueeze(-1)).masked_fill_(ignored.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(softmax, local_target.masked_fill_(not_mine | ignored, -1))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once
+        mine = local_target >= 0
+        ones = mine.to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(1, local_target.clamp(min=0).unsqueeze(-1), -ones)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
+                                 comm: Comm, inplace: bool = False) -> torch.Tensor:
+    """Per-token losses [..] (fp32; 0 where the target is IGNORE_INDEX) from logits [.., V/tp].
+
+    `inplace=True` overwrites fp32 logits with the softmax instead of allocating a copy of the
+    largest activation; the caller must not read the logits afterwards (autograd would refuse a
+    backward through anything that saved them: their version counter moves)."""
+    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            shard.start, comm, inplace)
+    return flat.view(targets.shape)
+
+
+class VocabParallelLoss:
+    """`loss_sum(logits, targets)`: the trainer's summed token loss, for vocab-sharded logits.
+    Consumes the logits (in-place softmax): the trainer reads only the loss."""
+
+    def __init__(self, shard: VocabShard, comm: Comm):
+        self.shard = shard
+        self.comm = comm
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.shard, self.comm, inplace=True).sum()
+
+
+def gather_logits(local: torch.Tensor, shard: VocabShard, comm: Comm) -> torch.Tensor:
+    """The full [.., vocab] logits from every rank's [.., real] block (for tests and sampling;
+    training never does this). Blocks are padded to equal width for the collective, then cut."""
+    n = comm.ctx.size(TP)
+    block = F.pad(local, (0, shard.per_rank - local.shape[-1])).contiguous()
+    out = torch.empty((n * block.shape[0], *block.shape[1:]), dtype=block.dtype, device=block.device)
+    comm.all_gather(out, block, TP)
+    return out.view(n, *block.shape).movedim(0, -2).reshape(*block.shape[:-1], n * shard.per_rank)[..., : shard.vocab_size]
