@@ -251,18 +251,34 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     layout = p.dp * p.tp * p.cp * p.pp
     _require(layout == world_size,
              f"parallel: dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {layout} does not equal the world size {world_size}")
-    per_step = t.micro_batch_size * p.dp
+    # parallel.pp_microbatches (pipelines only) sets the micro-batch count; the size follows from it.
+    per_step = p.dp if p.pp > 1 and p.pp_microbatches else t.micro_batch_size * p.dp
     _require(t.global_batch_size % per_step == 0,
              f"train.global_batch_size: {t.global_batch_size} is not divisible by "
              f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
     from meshlm.mesh import check_layout  # the checks that need model and layout together
 
     check_layout(cfg, world_size)
+    if p.pp > 1:  # the pipeline's micro-batch count m, and whether the schedule can run with it
+        local = t.global_batch_size // p.dp
+        _require(p.pp_microbatches == 0 or local % p.pp_microbatches == 0,
+                 f"parallel.pp_microbatches: {p.pp_microbatches} does not divide the batch of one pipeline, "
+                 f"global_batch_size/dp = {local}")
+        n_micro = p.pp_microbatches or local // t.micro_batch_size
+        from meshlm.parallel.pipeline.schedules import ScheduleError, check_schedule
+
+        try:
+            check_schedule(p.pp_schedule, p.pp, n_micro, p.pp_virtual)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.pp_microbatches: {e} (m = {n_micro}: global_batch_size/(dp*micro_batch_size) "
+                              f"unless parallel.pp_microbatches is set)") from None
+        # The first and last stage add up their copies' gradients of a tied embedding; ZeRO has
+        # already sharded (differently on each stage) what there is to add.
+        _require(p.zero == 0 or not m.tie_embeddings,
+                 f"parallel.zero: ZeRO-{p.zero} cannot keep a tied embedding in sync across pipeline stages yet; "
+                 f"set model.tie_embeddings=false or parallel.zero=0")
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
-    _require(p.zero == 0, f"parallel.zero={p.zero}: not implemented yet in this version")
-    _require(p.tp == 1, f"parallel.tp={p.tp}: not implemented yet in this version")
-    _require(not p.sp, "parallel.sp=true: not implemented yet in this version")
-    _require(p.pp == 1, f"parallel.pp={p.pp}: not implemented yet in this version")
+    _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
     _require(p.cp == 1, f"parallel.cp={p.cp}: not implemented yet in this version")
 
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")

@@ -24,6 +24,7 @@ from meshlm.config import Config
 from meshlm.model import Llama, init_weights
 from meshlm.parallel.data_parallel import build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
+from meshlm.parallel.tensor import apply_tensor_parallel
 from meshlm.train.data import PreparedData, TokenLoader, eval_batches
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
@@ -57,7 +58,17 @@ class Trainer:
         self.metrics = metrics or MetricsWriter(self.run_dir, cfg.train.steps, cfg.train.log_interval,
                                                 active=ctx.rank == 0)
         self.model = self._build_model()
-        self.dp = build_data_parallel(self.model, cfg, self.comm)
+        if any(True for _ in self.model.parameters()):
+            self.dp = build_data_parallel(self.model, cfg, self.comm)
+        else:  # a pipeline stage given no layers (explicit split): nothing to reduce or update
+            from meshlm.parallel.pipeline.runner import ParameterlessStageDataParallel
+
+            self.dp = ParameterlessStageDataParallel(self.model, self.comm)
+        self.pipeline = None  # parallel.pp > 1: runs each step's micro-batches by the schedule
+        if cfg.parallel.pp > 1:
+            from meshlm.parallel.pipeline.runner import PipelineRunner
+
+            self.pipeline = PipelineRunner(self.model, cfg, self.comm)
         t = cfg.train
         self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
         self.eval_set = eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)
@@ -72,14 +83,25 @@ class Trainer:
         model = Llama(self.cfg.model)
         init_weights(model, self.cfg.run.seed)
         model.to(self.device)
-        # Parallelism is applied here, in DESIGN.md's fixed order; so far: recompute, then DP.
+        # Parallelism is applied here, in DESIGN.md's fixed order; so far: TP/SP, recompute, then DP.
+        # TP keeps this rank's slices of the full init; None at tp=1. Sharded logits need its loss.
+        self.tp = apply_tensor_parallel(model, self.comm, self.cfg.parallel.sp)
+        self.loss_sum = self.tp.loss_sum if self.tp else token_loss_sum
         apply_activation_checkpointing(model, self.cfg.train.recompute)
+        if self.cfg.parallel.pp > 1:  # PP split: keep only this rank's stage(s), single-process names
+            from meshlm.parallel.pipeline import split_for_rank
+
+            model = split_for_rank(model, self.cfg, self.ctx)
         return model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded weights under the single-process model's names. Collective: every
         rank must call it (sharded layouts gather); the result is meaningful on global rank 0."""
         state = self.dp.full_state_dict()
+        if self.tp:
+            state = self.tp.full_state_dict(state)  # tp shards -> full tensors, vocabulary unpadded
+        if self.pipeline is not None:
+            state = self.pipeline.gather_full_state(state)  # every stage's weights to global rank 0
         return state
 
     @property
@@ -105,10 +127,14 @@ class Trainer:
         a plain sum and every layout produces the gradient of the same global mean.
         """
         cfg = self.cfg.train
-        micro = self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, cfg.micro_batch_size)
+        micro_size = self.pipeline.micro_batch_size if self.pipeline else cfg.micro_batch_size
+        micro = self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, micro_size)
         counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
                               dtype=torch.float64, device=self.device)
         global_tokens = self._all_reduce(counts).item()
+        if self.pipeline is not None:  # the schedule runs every micro-batch, reduces grads after the last
+            return self.pipeline.forward_backward(micro, global_tokens, self.loss_sum, self.dp,
+                                                  self._autocast), global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (inputs, targets) in enumerate(micro):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
@@ -116,7 +142,7 @@ class Trainer:
             with self.dp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 with self._autocast():
                     logits = self.dp.module(inputs)
-                micro_loss = token_loss_sum(logits, targets)
+                micro_loss = self.loss_sum(logits, targets)
                 (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().double()
         self.dp.finish_backward()
@@ -150,6 +176,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss on the fixed held-out batches; each dp rank takes every dp-th batch."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(self.eval_set, self.loss_sum, self._autocast)
         self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, (inputs, targets) in enumerate(self.eval_set):
@@ -158,7 +186,7 @@ class Trainer:
             with self._autocast():
                 logits = self.dp.module(inputs.to(self.device))
             targets = targets.to(self.device)
-            totals[0] += token_loss_sum(logits, targets).double()
+            totals[0] += self.loss_sum(logits, targets).double()
             totals[1] += (targets != IGNORE_INDEX).sum()
         self.dp.module.train()
         self._all_reduce(totals)
@@ -184,6 +212,8 @@ class Trainer:
                 "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, n_devices),
                 "mem_peak_bytes": result.mem_peak_bytes,
             }
+            if self.pipeline is not None:  # measured bubble beside the simulator's (collective over pp)
+                row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row["eval_loss"] = self.evaluate()
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)

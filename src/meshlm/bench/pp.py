@@ -1,0 +1,255 @@
+"""`meshlm bench pp [--json]`: meshlm's pipeline engine against torch.distributed.pipelining.
+Reduces: guessing; both run the same stages (same weights, same split), the same schedule and the
+same batches at pp=2, alternating step for step in one job, and their losses are compared.
+Costs: about a minute of the machine with the defaults (tiny preset, seq 128, 8 micro-batches).
+
+The reference wraps meshlm's own stage modules (one per model chunk) in torch's `PipelineStage`
+and runs `ScheduleGPipe`, `Schedule1F1B` or `ScheduleInterleaved1F1B` (scale_grads=False, the loss
+divided by the batch's target tokens, as meshlm's trainer does). Embeddings are untied in both:
+torch's pipelining has no tied-weight sync across stages. Each measurement is a training step
+(pipeline forward/backward of all micro-batches, then AdamW); tokens/s is the whole batch over the
+slowest rank's time. Memory is the per-rank peak of a warm step: on CPU live tensor bytes (the
+state, every tensor the runtime keeps between steps, and what the step allocates), on GPU the
+allocator's peak less what was resident before plus this side's own state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.bench.report import bench_row, emit
+
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+class ChunkModule(nn.Module):
+    """One model chunk of a meshlm stage as the single-input module torch's PipelineStage wants."""
+
+    def __init__(self, stage, chunk: int):
+        super().__init__()
+        self.stage, self.chunk = stage, chunk
+
+    def forward(self, x):
+        return self.stage(x, self.chunk)
+
+
+def _tensors_in(obj, seen=None, depth=0) -> list[torch.Tensor]:
+    """Tensors an object keeps in its attributes, lists, tuples and dicts (a few levels deep):
+    the buffers a pipeline runtime holds between steps."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 5:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, nn.Module):
+        return []  # parameters are counted as state
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        items = obj
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("torch.distributed.pipelining", "meshlm")):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
+
+
+def _peak(device, fn, state) -> int:
+    from meshlm.train.memtrack import LiveTensorBytes
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        mine = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in state}.values())
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        return int(torch.cuda.max_memory_allocated(device) - before + mine)
+    tracker = LiveTensorBytes()  # fresh, so the other side's model (alive too) is not counted
+    tracker.track(state)
+    tracker.reset_peak()
+    with tracker:
+        fn()
+    return int(tracker.peak)
+
+
+def build_stage(cfg, pp: int, rank: int, virtual: int, device):
+    from meshlm.model import Llama, init_weights
+    from meshlm.parallel.pipeline.stage import PipelineStageModel
+    from meshlm.train.optim import build_optimizer
+
+    model = Llama(cfg.model)
+    init_weights(model, cfg.run.seed)
+    stage = PipelineStageModel(model.to(device), pp, rank, virtual)
+    return stage, build_optimizer(stage, cfg.train)
+
+
+def _bench_rank(a: dict) -> list[dict]:
+    """On every rank: alternate meshlm and torch steps per schedule; rank 0's rows."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from meshlm.comm import Comm
+    from meshlm.config import load_config, resolve
+    from meshlm.mesh import Layout, ParallelContext
+    from meshlm.parallel.pipeline.engine import PipelineEngine
+    from meshlm.parallel.pipeline.p2p import PipelineP2P
+    from meshlm.parallel.pipeline.schedules import build_schedule
+    from meshlm.train.trainer import token_loss_sum
+
+    pp = dist.get_world_size()
+    ctx = ParallelContext(Layout(pp=pp))
+    comm, rank, device = Comm(ctx), ctx.rank, ctx.device
+    m = a["microbatches"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 4096, (a["batch"], a["seq_len"] + 1), generator=gen) for _ in range(4)]
+    rows = []
+    for kind in a["schedules"]:
+        v = VIRTUAL[kind]
+        cfg = resolve(load_config(None, [f"model.preset={a['preset']}", "model.tie_embeddings=false",
+                                         f"train.seq_len={a['seq_len']}", f"train.global_batch_size={a['batch']}",
+                                         f"parallel.pp={pp}", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={v}",
+                                         f"parallel.pp_microbatches={m}"]), world_size=pp)
+        tokens = [(b[:, :-1].remainder(cfg.model.vocab_size).to(device), b[:, 1:].remainder(cfg.model.vocab_size)
+                   .to(device)) for b in batches]
+        n_targets = float(tokens[0][1].numel())
+
+        def loss_fn(logits, targets):
+            return token_loss_sum(logits, targets) / n_targets
+
+        # meshlm: the engine on this rank's stage, messages through the traced Comm.
+        stage, opt = build_stage(cfg, pp, rank, v, device)
+        engine = PipelineEngine(stage, PipelineP2P(comm))
+        program = build_schedule(kind, pp, m, v)[rank]
+
+        def meshlm_step(i):
+            inputs, targets = tokens[i % len(tokens)]
+            micro = list(zip(inputs.chunk(m), targets.chunk(m)))
+            loss = engine.run(program, micro, loss_fn=token_loss_sum, loss_divisor=n_targets,
+                              optimizer_step=opt.step).loss_sum / n_targets
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        # torch.distributed.pipelining on an identical copy of the same stage.
+        ref_stage, ref_opt = build_stage(cfg, pp, rank, v, device)
+        stages = [PipelineStage(ChunkModule(ref_stage, c), c * pp + rank, pp * v, device) for c in range(v)]
+        if kind == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], m, loss_fn=loss_fn,
+                                                                           scale_grads=False)
+
+        def torch_step(i):
+            inputs, targets = tokens[i % len(tokens)]
+            losses = []
+            # return_outputs=False: torch would otherwise keep the last stage's logits for the caller.
+            if ref_stage.holds_embedding:
+                schedule.step(inputs, return_outputs=False)
+            else:
+                schedule.step(target=targets, losses=losses, return_outputs=False)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            return float(sum(l.item() for l in losses))
+
+        sides = {"meshlm": (meshlm_step, stage, opt, engine), "torch": (torch_step, ref_stage, ref_opt, schedule)}
+        times = {k: [] for k in sides}
+        losses = {k: [] for k in sides}
+        peaks = {}
+        for i in range(a["warmup"] + a["pairs"]):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # alternate who goes first
+            for name in order:
+                step, module, optimizer, runtime = sides[name]
+                if i == a["warmup"] - 1:  # memory once, warm: optimizer state and runtime buffers exist
+                    state = [*module.parameters(), *(t for s in optimizer.state.values() for t in s.values()
+                                                     if isinstance(t, torch.Tensor)), *_tensors_in(runtime)]
+                    peaks[name] = _peak(device, lambda: losses[name].append(step(i)), state)
+                    continue
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                losses[name].append(step(i))
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                if i >= a["warmup"]:
+                    times[name].append(elapsed.item())
+        # Same weights, same batches, same schedule: the two must compute the same losses.
+        diff = torch.tensor([max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"]))],
+                            dtype=torch.float64)
+        peak = torch.tensor([float(peaks["meshlm"]), float(peaks["torch"]), diff.item()], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        tokens_per_step = a["batch"] * a["seq_len"]
+        rows.append(bench_row(
+            f"pp{pp}-{kind}" + (f"-v{v}" if v > 1 else ""), pp, f"torch pipelining {type(schedule).__name__}",
+            [tokens_per_step / t for t in times["meshlm"]], [tokens_per_step / t for t in times["torch"]],
+            int(peak[0]), int(peak[1]), schedule=kind, microbatches=m, virtual=v, preset=a["preset"],
+            seq_len=a["seq_len"], batch=a["batch"], loss_max_abs_diff=peak[2].item(), device=device.type,
+            backend=ctx.backend))
+        del sides, schedule, stages
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
+    parser.add_argument("--nproc", type=int, default=2, help="pipeline ranks to fork when not under torchrun")
+    parser.add_argument("--schedule", choices=("all", *VIRTUAL), default="all")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="rows per step (all micro-batches)")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if args.nproc < 2 or args.pairs < 1 or args.warmup < 1 or args.microbatches < 1 or args.batch % args.microbatches:
+        print("meshlm bench pp: error: need --nproc >= 2, --pairs >= 1, --warmup >= 1 and --batch divisible "
+              "by --microbatches", flush=True)
+        return 2
+    from meshlm.config import ConfigError, load_config, resolve
+
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    schedules = list(VIRTUAL) if args.schedule == "all" else [args.schedule]
+    try:
+        for kind in schedules:
+            resolve(load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
+                                       f"train.global_batch_size={args.batch}", f"parallel.pp={world}",
+                                       f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={VIRTUAL[kind]}",
+                                       f"parallel.pp_microbatches={args.microbatches}"]), world_size=world)
+    except ConfigError as e:
+        print(f"meshlm bench pp: error: {e}", flush=True)
+        return 2
+    params = {**vars(args), "schedules": schedules}
+    if dist.is_available() and dist.is_initialized():
+        rows = _bench_rank(params)
+    elif "RANK" in os.environ:  # under torchrun: join its world
+        from meshlm.mesh import default_backend
+
+        dist.init_process_group(default_backend())
+        try:
+            rows = _bench_rank(params)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        from meshlm.testing import run_ranks
+
+        rows = run_ranks(_bench_rank, args.nproc, params, timeout=3600)[0]
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip() if os.name == "posix" else ""
+    emit(rows, args.json, load=load)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

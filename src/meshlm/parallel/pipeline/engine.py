@@ -1,0 +1,212 @@
+"""The one small engine that executes any pipeline instruction list (GPipe, 1F1B, interleaved).
+
+Reduces: per-rank memory (it runs only this rank's stage) and idle time, as far as the schedule it
+is given allows; it never decides anything itself.
+Costs: activation memory for every micro-batch forwarded but not yet backwarded (the schedule
+decides how many), one P2P message per stage boundary per micro-batch in each direction, and a few
+microseconds of Python per instruction.
+
+How it runs the list (the simulator models exactly this):
+- forward (mb, chunk): the input is the token ids on virtual stage 0, else the received
+  activation; the last virtual stage computes the loss sum and keeps loss / divisor for backward.
+- backward (mb, chunk): autograd from the kept loss (last stage) or from the kept output with the
+  received gradient; the input's gradient is what goes to the previous stage.
+- a run of consecutive send/recv instructions is one batch, posted without waiting. Receives are
+  waited just before the first op that needs one of them; sends only when they finish on their own
+  or at reduce_grads. On gloo sends and receives go out as two batches so a receive never waits
+  for a send to a busy neighbour; NCCL needs one group (it serialises separate calls on a stream,
+  and two ranks each waiting on a receive queued before its send would hang).
+- reduce_grads: the caller's reduction (data-parallel all-reduce, tied-embedding sync); every
+  backward but this rank's last ran under the caller's `no_sync`, so DP reduces only once.
+- optimizer_step: the caller's step, or the end of the run if none was given.
+Busy time (forward and backward only) and wall time are recorded per run: the measured bubble.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from meshlm.parallel.pipeline.p2p import PipelineP2P, TensorSpec
+from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD,
+                                                REDUCE_GRADS, SEND_ACT, SEND_GRAD, Instruction, p2p_batches)
+from meshlm.parallel.pipeline.stage import PipelineStageModel
+
+
+@dataclass
+class RunStats:
+    """What one run of the engine measured on this rank (seconds)."""
+
+    loss_sum: torch.Tensor  # float64; the summed token loss on the last stage, 0 elsewhere
+    wall_s: float = 0.0  # first instruction to the end of the last backward (and its sends)
+    busy_s: float = 0.0  # forwards + backwards
+    forward_s: list[float] = field(default_factory=list)  # each forward, in order
+    backward_s: list[float] = field(default_factory=list)
+    recv_wait_s: list[float] = field(default_factory=list)  # each wait for a received batch
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.wall_s - self.busy_s)
+
+
+class _Clock:
+    """Host time on CPU; CUDA events on GPU (host timestamps would only time the launches),
+    resolved once at the end of the run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+
+class PipelineEngine:
+    def __init__(self, stage: PipelineStageModel, p2p: PipelineP2P, activation_dtype: torch.dtype = torch.float32):
+        self.stage = stage
+        self.p2p = p2p
+        self.device = p2p.ctx.device
+        self.activation_dtype = activation_dtype
+        self.split_sends = p2p.ctx.backend == "gloo"
+
+    def run(self, program: Sequence[Instruction], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_divisor: float = 1.0,
+            autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
+            train: bool = True) -> RunStats:
+        """Execute `program` on `microbatches` [(inputs, targets)] (every stage gets them all; the
+        first uses the inputs, the last the targets, the others their shape)."""
+        stage, p2p = self.stage, self.p2p
+        rows, seq = microbatches[0][0].shape if microbatches else (0, 0)
+        spec = TensorSpec((rows, seq, stage.cfg.dim), self.activation_dtype)
+        if microbatches:
+            p2p.agree(spec)
+        last_backward = max((i for i, ins in enumerate(program) if ins.op == BACKWARD), default=-1)
+        stats = RunStats(torch.zeros((), dtype=torch.float64, device=self.device))
+        clock = _Clock(self.device)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> received activation
+        grads: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> received gradient
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> kept for backward
+        to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        recv_handle: dict[tuple[str, int, int], object] = {}  # (op, chunk, mb) -> its batch's handle
+        sends_in_flight: list = []
+        timed: list[tuple[str, object, object]] = []
+        start, end = clock.mark(), None
+        index = 0
+        grad_mode = torch.enable_grad() if train else torch.no_grad()
+        with grad_mode:
+            for item in p2p_batches(program):
+                if isinstance(item, list):
+                    self._post(item, spec, inputs, grads, to_send, recv_handle, sends_in_flight, train)
+                    index += len(item)
+                    continue
+                ins = item
+                if ins.op == FORWARD:
+                    key = (ins.chunk, ins.microbatch)
+                    x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key) \
+                        if not stage.is_first(ins.chunk) else microbatches[ins.microbatch][0].to(self.device)
+                    t0 = clock.mark()
+                    with autocast():
+                        out = stage(x, ins.chunk)
+                    if stage.is_last(ins.chunk):
+                        loss = loss_fn(out, microbatches[ins.microbatch][1].to(self.device))
+                        stats.loss_sum += loss.detach().double()
+                        out = loss / loss_divisor
+                    elif out.dtype != spec.dtype or tuple(out.shape) != spec.shape:
+                        raise RuntimeError(f"chunk {ins.chunk} produced activations of {list(out.shape)} {out.dtype}; "
+                                           f"the stages agreed on {spec} (sequence-sharded activations between "
+                                           f"stages are not supported)")
+                    timed.append((FORWARD, t0, clock.mark()))
+                    if train:
+                        outputs[key] = out
+                    if not stage.is_last(ins.chunk):
+                        to_send[(SEND_ACT, *key)] = out.detach()
+                    if not train:
+                        inputs.pop(key, None)
+                elif ins.op == BACKWARD:
+                    key = (ins.chunk, ins.microbatch)
+                    grad = None if stage.is_last(ins.chunk) else \
+                        self._wait(recv_handle, (RECV_GRAD, *key), timed, clock, grads, key)
+                    out = outputs.pop(key)
+                    t0 = clock.mark()
+                    with no_sync() if index != last_backward else contextlib.nullcontext():
+                        torch.autograd.backward(out, grad_tensors=grad)
+                    timed.append((BACKWARD, t0, clock.mark()))
+                    x = inputs.pop(key, None)
+                    if not stage.is_first(ins.chunk):
+                        to_send[(SEND_GRAD, *key)] = x.grad
+                    grads.pop(key, None)
+                elif ins.op == REDUCE_GRADS:
+                    for handle in sends_in_flight:
+                        handle.wait()
+                    sends_in_flight.clear()
+                    end = clock.mark()
+                    if reduce_grads is not None:
+                        reduce_grads()
+                elif ins.op == OPTIMIZER_STEP:
+                    if optimizer_step is not None:
+                        optimizer_step()
+                index += 1
+        for handle in sends_in_flight:  # forward-only programs have no reduce_grads
+            handle.wait()
+        if end is None:
+            end = clock.mark()
+        for kind, a, b in timed:
+            seconds = clock.seconds(a, b)
+            {FORWARD: stats.forward_s, BACKWARD: stats.backward_s}.get(kind, stats.recv_wait_s).append(seconds)
+        stats.busy_s = sum(stats.forward_s) + sum(stats.backward_s)
+        stats.wall_s = clock.seconds(start, end)
+        return stats
+
+    def _post(self, batch: list[Instruction], spec: TensorSpec, inputs, grads, to_send, recv_handle,
+              sends_in_flight: list, train: bool) -> None:
+        """Post one batch: allocate the receive buffers, start everything, remember the handles."""
+        sends, recvs = [], []
+        for ins in batch:
+            key = (ins.chunk, ins.microbatch)
+            if ins.op in (RECV_ACT, RECV_GRAD):
+                buffer = self.p2p.empty(spec)
+                (inputs if ins.op == RECV_ACT else grads)[key] = buffer
+                recvs.append((ins, ("recv", buffer, ins.peer)))
+            else:
+                tensor = to_send.pop((ins.op, *key))
+                sends.append(("send", tensor.contiguous(), ins.peer))
+        # Drop finished sends so their buffers can be freed.
+        sends_in_flight[:] = [h for h in sends_in_flight if not h.is_completed()]
+        if self.split_sends:
+            handle = self.p2p.post([op for _, op in recvs]) if recvs else None
+            if sends:
+                sends_in_flight.append(self.p2p.post(sends))
+        else:
+            handle = self.p2p.post([op for _, op in recvs] + sends)
+            if sends:
+                sends_in_flight.append(handle)
+        for ins, _ in recvs:
+            recv_handle[(ins.op, ins.chunk, ins.microbatch)] = handle
+
+    def _wait(self, recv_handle, handle_key, timed, clock, store, key) -> torch.Tensor:
+        handle = recv_handle.pop(handle_key, None)
+        if handle is None:
+            raise RuntimeError(f"{handle_key[0]} {key[1]}.{key[0]}: used before it was received (bad schedule)")
+        t0 = clock.mark()
+        handle.wait()
+        timed.append(("wait", t0, clock.mark()))
+        tensor = store[key]
+        if handle_key[0] == RECV_ACT and torch.is_grad_enabled():
+            tensor.requires_grad_(True)
+        return tensor

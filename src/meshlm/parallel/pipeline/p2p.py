@@ -1,0 +1,88 @@
+"""Activations forward, gradients backward: the pipeline's point-to-point messages, through Comm.
+
+Reduces: hangs and silent corruption; P2P moves raw bytes into a buffer the receiver allocated,
+so a receiver expecting another shape or dtype than the sender sends would hang (more bytes than
+arrive) or read garbage. Every pair of neighbouring stages therefore swaps its expected spec once
+per new shape, before any activation moves, and both sides raise the same clear error.
+Costs: one tiny exchange per new micro-batch shape (so once per run for training, once for eval).
+
+Peers are pipeline ranks (0..pp-1) of this rank's own pipeline (same tp, cp, dp coordinates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from meshlm.comm import Comm
+from meshlm.comm.traced import P2P, Handle
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 6
+
+
+class P2PMismatch(RuntimeError):
+    """Two neighbouring stages disagree on the shape or dtype of the tensors between them."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        if len(self.shape) > _MAX_DIMS or self.dtype not in _DTYPES:
+            raise ValueError(f"cannot send tensors of shape {self.shape} and dtype {self.dtype} between stages")
+        dims = list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
+        return torch.tensor([len(self.shape), _DTYPES.index(self.dtype), *dims], dtype=torch.int64, device=device)
+
+    @staticmethod
+    def decode(t: torch.Tensor) -> "TensorSpec":
+        values = t.tolist()
+        return TensorSpec(tuple(values[2: 2 + values[0]]), _DTYPES[values[1]])
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+class PipelineP2P:
+    """This rank's links to its pipeline neighbours (both, wrapping: the interleaved schedule sends
+    from the last stage back to the first)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        ctx = comm.ctx
+        self.ctx = ctx
+        self.pp_rank = ctx.coord("pp")
+        pp = ctx.size("pp")
+        self.neighbours = sorted({(self.pp_rank + 1) % pp, (self.pp_rank - 1) % pp} - {self.pp_rank})
+        self._agreed: set[TensorSpec] = set()
+
+    def global_rank(self, pp_rank: int) -> int:
+        return self.ctx.layout.rank_of({**self.ctx.coords, "pp": pp_rank})
+
+    def agree(self, spec: TensorSpec) -> None:
+        """Swap `spec` with both neighbours; raise P2PMismatch (on both sides) if they differ."""
+        if spec in self._agreed or not self.neighbours:
+            return
+        device = self.ctx.device
+        mine = spec.encode(device)
+        theirs = {peer: torch.empty_like(mine) for peer in self.neighbours}
+        ops = [P2P("send", mine, self.global_rank(p)) for p in self.neighbours]
+        ops += [P2P("recv", theirs[p], self.global_rank(p)) for p in self.neighbours]
+        self.comm.batch_isend_irecv(ops, "pp").wait()
+        for peer, t in theirs.items():
+            other = TensorSpec.decode(t.cpu())
+            if other != spec:
+                raise P2PMismatch(f"pipeline rank {self.pp_rank} expects activations of {spec} but pipeline rank "
+                                  f"{peer} expects {other}: were the stages built from the same config?")
+        self._agreed.add(spec)
+
+    def empty(self, spec: TensorSpec) -> torch.Tensor:
+        return torch.empty(spec.shape, dtype=spec.dtype, device=self.ctx.device)
+
+    def post(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> Handle:
+        """Start sends and receives [(kind, tensor, pipeline peer), ...] as one batch; no waiting."""
+        return self.comm.batch_isend_irecv([P2P(kind, t, self.global_rank(peer)) for kind, t, peer in ops], "pp")

@@ -1,0 +1,223 @@
+"""Pipeline parallelism against the single-process reference (same seed, same global batch):
+every schedule at pp = 2 and 4 with m = 4 and 8, dp=2 x pp=2, tied embeddings across first and
+last stage, a stage without parameters under DP, the shape handshake, evaluation, the gathered
+weights, and `meshlm train --nproc 2 parallel.pp=2` through torchrun."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pydoc_data.topics
+import pytest
+import torch
+
+from meshlm.config import load_config, resolve
+from meshlm.mesh import ParallelContext
+from meshlm.parallel.pipeline.schedules import build_schedule
+from meshlm.testing import RankFailure, run_ranks
+from meshlm.train.data import prepare_data
+from meshlm.train.trainer import Trainer
+
+GLOBAL_BATCH = 8
+# Small enough for 4 ranks on 2 cores, deep enough for pp=4 x 2 virtual stages.
+MODEL = ["model.preset=debug", "model.dim=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
+         "model.n_layers=8"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp-corpus")
+    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
+    return root
+
+
+def make_cfg(corpus, run_dir, world_size, *extra):
+    return resolve(load_config(None, [
+        *MODEL, f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}",
+        "train.seq_len=16", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2",
+        "train.warmup_steps=2", "train.steps=4", "train.lr=1e-3", "train.eval_interval=0", "train.eval_batches=2",
+        f"run.dir={run_dir}", "train.track_memory=false", *extra]), world_size=world_size)
+
+
+def run(cfg, n_steps=3):
+    """Step 0's gradients by name, n_steps losses, parameters after them, eval loss, bubble metrics
+    and (on global rank 0) the gathered full weights."""
+    torch.manual_seed(99)  # must not matter: init and data depend only on run.seed
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
+    trainer.metrics.active = False
+    loss_sum, tokens = trainer.forward_backward()
+    first_loss = trainer._all_reduce(loss_sum.clone()).item() / tokens
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.dp.zero_grad()
+    losses = [trainer.train_step().loss for _ in range(n_steps)]
+    metrics = trainer.pipeline.step_metrics() if trainer.pipeline else {}
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    full = trainer.full_state_dict()
+    return {"grads": grads, "losses": [first_loss, *losses], "params": params, "eval": trainer.evaluate(),
+            "metrics": metrics, "full": {k: v.clone() for k, v in full.items()} if trainer.ctx.rank == 0 else None,
+            "tied": (trainer.model.output.weight.detach().clone() if hasattr(trainer.model, "output") else
+                     trainer.model.tok_embeddings.weight.detach().clone() if hasattr(trainer.model, "tok_embeddings")
+                     else None)}
+
+
+_REFERENCES = {}
+
+
+def reference(corpus, tmp_path_factory, *model):
+    if model not in _REFERENCES:
+        _REFERENCES[model] = run(make_cfg(corpus, tmp_path_factory.mktemp("ref"), 1, *model))
+    return _REFERENCES[model]
+
+
+def assert_matches(ref, ranks, aliases=None):
+    """Loss, gradients (each rank holds some; together all of them), parameters after AdamW steps.
+    `aliases`: names of pipeline copies -> the single-process parameter they copy."""
+    aliases = aliases or {}
+    covered = set()
+    for got in ranks:
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+        for name, grad in got["grads"].items():
+            assert (grad - ref["grads"][aliases.get(name, name)]).abs().max() <= 1e-6, name
+            covered.add(aliases.get(name, name))
+        for name, value in got["params"].items():
+            assert (value - ref["params"][aliases.get(name, name)]).abs().max() <= 1e-5, name
+        assert got["eval"] == pytest.approx(ref["eval"], abs=1e-6)
+    assert covered == set(ref["grads"])
+
+
+def _rank(corpus, run_dir, world_size, extra):
+    return run(make_cfg(corpus, run_dir, world_size, *extra))
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("kind,virtual", SCHEDULES)
+@pytest.mark.parametrize("m", [4, 8])
+def test_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, pp, kind, virtual, m):
+    ref = reference(corpus, tmp_path_factory)
+    extra = [f"parallel.pp={pp}", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}",
+             f"parallel.pp_microbatches={m}"]
+    ranks = run_ranks(_rank, pp, corpus, tmp_path, pp, extra, timeout=180)
+    assert_matches(ref, ranks)
+    # The gathered weights on global rank 0 are the single-process model's, all of them.
+    full = ranks[0]["full"]
+    assert set(full) == set(ref["params"]) and all((full[n] - ref["params"][n]).abs().max() <= 1e-5 for n in full)
+    metrics = ranks[0]["metrics"]
+    assert 0 <= metrics["pp_bubble_predicted"] < 1 and 0 <= metrics["pp_bubble_measured"] < 1
+    assert metrics["pp_step_s"] > 0
+
+
+@pytest.mark.parametrize("kind,virtual", SCHEDULES)
+def test_data_parallel_times_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, kind, virtual):
+    ref = reference(corpus, tmp_path_factory)
+    extra = ["parallel.dp=2", "parallel.pp=2", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}"]
+    assert_matches(ref, run_ranks(_rank, 4, corpus, tmp_path, 4, extra, timeout=180))
+
+
+def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_path, tmp_path_factory):
+    tied = ("model.tie_embeddings=true",)
+    ref = reference(corpus, tmp_path_factory, *tied)
+    ranks = run_ranks(_rank, 4, corpus, tmp_path, 4, [*tied, "parallel.pp=4", "parallel.pp_schedule=1f1b"],
+                      timeout=180)
+    assert_matches(ref, ranks, aliases={"output.weight": "tok_embeddings.weight"})
+    # Stage 0 holds the embedding, stage 3 the head: after the AdamW steps, bit for bit the same.
+    assert torch.equal(ranks[0]["tied"], ranks[3]["tied"])
+    assert "output.weight" in ranks[3]["grads"] and "tok_embeddings.weight" in ranks[0]["grads"]
+
+
+def _uneven_rank(corpus, run_dir):
+    import meshlm.parallel.pipeline as pipeline
+
+    # Stage 1 of 3 gets no layer at all: it only passes activations and gradients along.
+    pipeline.split_for_rank = functools.partial(pipeline.split_for_rank, layers_per_stage=(2, 0, 1))
+    cfg = make_cfg(corpus, run_dir, 6, "model.n_layers=3", "parallel.dp=2", "parallel.pp=3")
+    out = run(cfg)
+    out["n_params"] = len(out["params"])
+    return out
+
+
+def test_a_stage_without_parameters_does_not_break_data_parallelism(corpus, tmp_path, tmp_path_factory):
+    ref = reference(corpus, tmp_path_factory, "model.n_layers=3")
+    ranks = run_ranks(_uneven_rank, 6, corpus, tmp_path, timeout=180)
+    assert [r["n_params"] for r in ranks] == [19, 19, 0, 0, 11, 11]  # ranks: dp fastest, then pp
+    assert_matches(ref, ranks)
+
+
+def _mismatched_shapes():
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout
+    from meshlm.parallel.pipeline.p2p import PipelineP2P, TensorSpec
+
+    import torch.distributed as dist
+
+    p2p = PipelineP2P(Comm(ParallelContext(Layout(pp=2))))
+    p2p.agree(TensorSpec((2, 16, 32 if dist.get_rank() == 0 else 48), torch.float32))
+
+
+def test_stages_that_disagree_on_activation_shapes_fail_clearly_instead_of_hanging():
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_mismatched_shapes, 2, timeout=60)
+    assert "expects activations of [2, 16, 32] float32 but pipeline rank 1 expects [2, 16, 48]" in str(e.value)
+
+
+def test_meshlm_train_with_pp_follows_the_single_process_loss_curve(corpus, tmp_path, tmp_path_factory):
+    ref = reference(corpus, tmp_path_factory, "train.steps=4")  # 1 + 3 steps; the LR schedule spans 4
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+         *MODEL, f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}", "train.seq_len=16",
+         "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2", "train.steps=4",
+         "train.lr=1e-3", "train.eval_interval=3", "train.eval_batches=2", "run.sample_tokens=4",
+         f"run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["loss"] for r in rows[:3]] == pytest.approx(ref["losses"][1:], abs=1e-5)
+    assert rows[2]["eval_loss"] == pytest.approx(ref["eval"], abs=1e-5)  # after 3 steps, like the reference
+    assert {"pp_bubble_measured", "pp_bubble_predicted"} <= set(rows[-1])
+    assert "--- sample" in proc.stdout  # `meshlm generate`'s loader read the gathered weights
+
+
+def _against_torch_pipelining():
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from meshlm.bench.pp import ChunkModule, build_stage
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout
+    from meshlm.parallel.pipeline.engine import PipelineEngine
+    from meshlm.parallel.pipeline.p2p import PipelineP2P
+    from meshlm.train.trainer import token_loss_sum
+
+    import torch.distributed as dist
+
+    ctx = ParallelContext(Layout(pp=2))
+    rank, m = ctx.rank, 4
+    tokens = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    diffs = {}
+    for kind, v in (("1f1b", 1), ("interleaved", 2)):
+        cfg = resolve(load_config(None, [*MODEL, "model.n_layers=4", "train.seq_len=16", "parallel.pp=2",
+                                         f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={v}"]), world_size=2)
+        ours, _ = build_stage(cfg, 2, rank, v, ctx.device)
+        PipelineEngine(ours, PipelineP2P(Comm(ctx))).run(
+            build_schedule(kind, 2, m, v)[rank], list(zip(inputs.chunk(m), targets.chunk(m))),
+            loss_fn=token_loss_sum, loss_divisor=float(targets.numel()))
+        theirs, _ = build_stage(cfg, 2, rank, v, ctx.device)
+        stages = [PipelineStage(ChunkModule(theirs, c), c * 2 + rank, 2 * v, ctx.device) for c in range(v)]
+        loss_fn = lambda out, tgt: token_loss_sum(out, tgt) / targets.numel()  # noqa: E731
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False) if v > 1 else \
+            Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        schedule.step(inputs, return_outputs=False) if rank == 0 else schedule.step(target=targets)
+        mine = dict(ours.named_parameters())
+        diffs[kind] = max((mine[n].grad - p.grad).abs().max().item() for n, p in theirs.named_parameters())
+        dist.barrier()
+    return diffs
+
+
+def test_gradients_equal_torch_pipelinings_for_the_same_stages_and_schedule():
+    for rank_diffs in run_ranks(_against_torch_pipelining, 2, timeout=120):
+        assert rank_diffs["1f1b"] <= 1e-6 and rank_diffs["interleaved"] <= 1e-6

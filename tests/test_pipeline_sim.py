@@ -1,0 +1,81 @@
+"""The pipeline simulator: textbook bubbles on uniform costs, what P2P latency and uneven stages do
+to them, and `meshlm simulate pipeline` (text, --json, PNG/SVG timelines, usage errors)."""
+
+import json
+import sys
+
+import pytest
+
+from meshlm.analysis.pipeline_sim import OpCosts, ideal_bubble, main, simulate_schedule
+from meshlm.cli import main as cli_main
+
+
+@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_uniform_costs_give_the_textbook_bubble(kind, v, pp):
+    for m in (pp, 2 * pp, 3 * pp, 4 * pp):  # interleaved: the formula assumes whole rounds of pp
+        result = simulate_schedule(kind, pp, m, v)
+        assert result.bubble_fraction == pytest.approx((pp - 1) / ((v if kind == "interleaved" else 1) * m + pp - 1))
+        # step = busy + bubble: m*(F+B) per rank, here F = 1 and B = 2 per chunk, v chunks
+        busy = m * v * 3
+        assert result.step_time == pytest.approx(busy / (1 - result.bubble_fraction))
+
+
+def test_gpipe_and_1f1b_share_the_bubble_but_not_the_memory():
+    gpipe, one_f_one_b = simulate_schedule("gpipe", 4, 8), simulate_schedule("1f1b", 4, 8)
+    assert gpipe.step_time == one_f_one_b.step_time
+    assert gpipe.peak_inflight == [8, 8, 8, 8] and one_f_one_b.peak_inflight == [4, 3, 2, 1]
+
+
+def test_p2p_latency_and_a_slow_stage_grow_the_bubble():
+    base = simulate_schedule("1f1b", 4, 8)
+    with_latency = simulate_schedule("1f1b", 4, 8, costs=OpCosts(1.0, 2.0, 0.25))
+    assert with_latency.step_time > base.step_time and with_latency.bubble_fraction > base.bubble_fraction
+    # The last stage also runs the head and the loss: everyone else waits for it.
+    uneven = simulate_schedule("1f1b", 4, 8, costs=OpCosts([1, 1, 1, 1.5], [2, 2, 2, 3]))
+    assert uneven.bubble_fraction > base.bubble_fraction
+    assert max(uneven.busy) == uneven.busy[3]
+
+
+def test_cli_prints_bubble_step_time_and_peak_in_flight(capsys):
+    assert main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 0.2727" in out and "peak in flight" in out
+
+
+def test_cli_json_has_the_contract_keys(capsys):
+    assert cli_main(["simulate", "pipeline", "--schedule", "interleaved", "--pp", "4", "--microbatches", "8",
+                     "--virtual", "2", "--forward-cost", "2", "--p2p-cost", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bubble_fraction"] == pytest.approx(ideal_bubble("interleaved", 4, 8, 2))
+    assert data["step_time"] == pytest.approx(2 * 3 * 8 * 2 / (1 - data["bubble_fraction"]))
+    assert len(data["peak_inflight"]) == 4 and data["costs"]["backward"] == 4.0
+
+
+@pytest.mark.parametrize("suffix,magic", [("png", b"\x89PNG"), ("svg", b"<svg")])
+def test_cli_draws_the_timeline(tmp_path, capsys, suffix, magic):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / f"timeline.{suffix}"
+    assert main(["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--out", str(out)]) == 0
+    assert magic in out.read_bytes()[:400]
+
+
+def test_cli_works_without_matplotlib_unless_asked_to_draw(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert main(["--schedule", "gpipe", "--pp", "2", "--microbatches", "4"]) == 0
+    assert main(["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--out", str(tmp_path / "t.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["--schedule", "interleaved", "--pp", "2", "--microbatches", "5", "--virtual", "2"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--virtual", "2"],
+    ["--schedule", "1f1b", "--pp", "0", "--microbatches", "4"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--forward-cost", "-1"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--out", "timeline.jpg"],
+    ["--schedule", "zigzag", "--pp", "2", "--microbatches", "4"],
+])
+def test_cli_bad_usage_exits_2_with_one_line(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "error" in err[-1]
