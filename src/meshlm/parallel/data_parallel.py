@@ -10,8 +10,9 @@ The trainer only ever calls the methods of `DataParallel`:
     grad_norm = dp.clip_and_step(lr, max_norm)               # norm over all ranks, then AdamW
     dp.zero_grad()
 
-`ReplicatedDataParallel` is the plainest member: every rank keeps full parameters, gradients and
-optimizer state, and one flat all-reduce sums the gradients after the last micro-batch.
+Members: `ddp.DDP` (zero=0), `zero.ZeroDataParallel` (zero=1, 2), `fsdp.FullyShardedDataParallel`
+(zero=3). Besides this interface they offer `full_grads()` (the reduced gradients, full, by name;
+collective) and `model_state_bytes()` (what this rank holds, by kind) for tests and reports.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch import nn
 
 from meshlm.comm import Comm
 from meshlm.config import Config
-from meshlm.train.optim import build_optimizer
 
 
 class DataParallel(Protocol):
@@ -85,66 +85,35 @@ def local_grad_squares(params: Iterable[nn.Parameter], ctx) -> torch.Tensor:
     return squares
 
 
-class ReplicatedDataParallel:
-    """Replicated parameters, one flat all-reduce (SUM) of all gradients after the last micro-batch.
+def precision_for(cfg: Config):
+    """The mixed-precision policy for a run. bf16 with ZeRO 1-3: bf16 parameters and gradients,
+    fp32 master weights (sharded) and fp32 reduction. bf16 with DDP: the parameters stay fp32
+    (they are the master copy) and the trainer's autocast computes in bf16; for DDP the two cost
+    the same 16 bytes/parameter, and the model's own parameters remain the fp32 weights."""
+    from meshlm.parallel.mixed_precision import BF16, FP32
 
-    Reduces: nothing per rank (16 bytes/param of model state, like one GPU). Costs: 2(N-1)/N x
-    gradient bytes per step, all exposed after backward (no overlap); DDP overlaps it.
-    """
-
-    def __init__(self, model: nn.Module, cfg: Config, comm: Comm) -> None:
-        self.module = model
-        self.comm = comm
-        self.optimizer = build_optimizer(model, cfg.train)
-        self._sync = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def finish_backward(self) -> None:
-        if self.comm.ctx.size(GRAD_REDUCE_AXES) == 1:
-            return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, GRAD_REDUCE_AXES)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def clip_and_step(self, lr: float, max_norm: float) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = global_grad_norm(local_grad_squares(params, self.comm.ctx), self.comm)
-        if max_norm > 0:
-            # The same arithmetic as torch.nn.utils.clip_grad_norm_: scale by min(1, max/(norm+eps)).
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        return norm.item()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        yield from self.module.parameters()
-        for p in self.module.parameters():
-            if p.grad is not None:
-                yield p.grad
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()
+    return BF16 if cfg.train.dtype == "bfloat16" and cfg.parallel.zero > 0 else FP32
 
 
-def build_data_parallel(model: nn.Module, cfg: Config, comm: Comm) -> DataParallel:
-    """The data-parallel implementation for `parallel.zero` (0 = DDP)."""
-    return ReplicatedDataParallel(model, cfg, comm)
+def build_data_parallel(model: nn.Module, cfg: Config, comm: Comm, **options) -> DataParallel:
+    """The data-parallel engine for `parallel.zero`: 0 = DDP, 1/2 = ZeRO-1/2, 3 = ZeRO-3/FSDP.
+    `options` go to the engine (e.g. bucket_bytes, reshard_after_forward)."""
+    precision = precision_for(cfg)
+    zero = cfg.parallel.zero
+    if zero == 0:
+        from meshlm.parallel.ddp import DDP
+
+        return DDP(model, comm, cfg.train, axes=GRAD_REDUCE_AXES, precision=precision, **options)
+    if zero in (1, 2):
+        from meshlm.parallel.zero import ZeroDataParallel
+
+        return ZeroDataParallel(model, comm, cfg.train, stage=zero, axes=GRAD_REDUCE_AXES, precision=precision,
+                                **options)
+    if zero == 3:
+        from meshlm.model.llama import TransformerBlock
+        from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class
+
+        options.setdefault("policy", by_class(TransformerBlock))
+        return FullyShardedDataParallel(model, comm, cfg.train, axes=GRAD_REDUCE_AXES, precision=precision,
+                                        **options)
+    raise ValueError(f"parallel.zero must be 0, 1, 2 or 3, got {zero}")

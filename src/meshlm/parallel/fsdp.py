@@ -1,0 +1,327 @@
+"""ZeRO-3 / FSDP: parameters sharded too, gathered one unit (a transformer block) at a time.
+
+Reduces: model state to 16/n bytes per parameter (fp32 shard, fp32 gradient shard, Adam's two
+moments: nothing is replicated); at any moment only the units being computed are unsharded.
+Costs: 1.5x DDP's bytes on the wire (an all-gather before forward, another before backward,
+a reduce-scatter after it: 3 x (n-1)/n instead of 2 x (n-1)/n); less if `reshard_after_forward`
+is off (no second all-gather, but every unit stays unsharded from its forward to its backward).
+
+Per unit (one module chosen by the wrapping policy, plus a root unit with everything left:
+embeddings, final norm, head), the parameters are flattened into one padded buffer of which
+rank r keeps the r-th 1/n slice (fp32: it is the master copy). The unsharded buffer exists only
+while needed: its storage is resized to zero when resharded (the parameters stay views of it,
+so autograd's saved references to them see the re-gathered values in backward).
+- forward pre-hook: all-gather the unit (waiting for a prefetch if one is in flight), then
+  prefetch the next unit's all-gather so it overlaps this unit's compute;
+- forward post-hook: reshard (free), and hook the output's gradient: that hook runs just before
+  the unit's backward, re-gathers it and prefetches the unit before it;
+- a gradient-ready hook per parameter marks it; when the unit is complete its gradients are
+  flattened into one buffer (in the reduce dtype), reduce-scattered asynchronously (units
+  strictly in order), the unit resharded, and only this rank's slice kept;
+- a callback queued on the autograd engine ends each backward: waits, reshards what is left.
+Every micro-batch's backward reduce-scatters (`no_sync()` has no effect, as in ZeRO-2).
+Activation checkpointing works unchanged: recomputation runs after the output-gradient hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from meshlm.comm import Comm
+from meshlm.config import TrainConfig
+from meshlm.parallel.ddp import named_state
+from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, round_up, weak_hook
+from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, clip_scale, storage_bytes
+
+_engine = torch.autograd.Variable._execution_engine
+# policy(name, module, numel of its parameters not yet in a unit below it) -> make it a unit?
+WrapPolicy = Callable[[str, nn.Module, int], bool]
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called, so they cannot have forward hooks
+
+
+def by_class(*classes: type) -> WrapPolicy:
+    """One unit per module of these classes (e.g. the transformer block)."""
+    return lambda name, module, numel: isinstance(module, classes)
+
+
+def by_size(min_numel: int) -> WrapPolicy:
+    """One unit per module holding at least `min_numel` parameters outside the units below it
+    (decided bottom-up, like torch's size_based_auto_wrap_policy)."""
+    return lambda name, module, numel: numel >= min_numel
+
+
+def choose_units(module: nn.Module, policy: WrapPolicy | None) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """(unit name, its named parameters) in forward (pre-)order; the root ('<root>') first with
+    whatever no unit took. Children are decided before parents, so a parent only gets the rest."""
+    taken: set[int] = set()
+    chosen: dict[str, list] = {}
+
+    def visit(name: str, sub: nn.Module) -> None:
+        for child_name, child in sub.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        if sub is module or policy is None or isinstance(sub, _CONTAINERS):
+            return
+        params = [(f"{name}.{pn}", p) for pn, p in sub.named_parameters() if id(p) not in taken]
+        if params and policy(name, sub, sum(p.numel() for _, p in params)):
+            taken.update(id(p) for _, p in params)
+            chosen[name] = params
+
+    visit("", module)
+    order = [name for name, _ in module.named_modules() if name in chosen]
+    root = [(pn, p) for pn, p in module.named_parameters() if id(p) not in taken]
+    return [("<root>", root)] + [(name, chosen[name]) for name in order]
+
+
+class Unit:
+    """One flat-parameter unit: this rank's fp32 shard, its gradient shard, the unsharded buffer."""
+
+    def __init__(self, index: int, name: str, slots: list[Slot], n: int, rank: int, precision: MixedPrecision,
+                 device: torch.device) -> None:
+        self.index, self.name, self.slots, self.precision = index, name, slots, precision
+        numel = slots[-1].end
+        self.padded = round_up(numel, n)
+        self.lo, self.hi = rank * self.padded // n, (rank + 1) * self.padded // n
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for s in slots:
+                flat[s.start: s.end].copy_(s.param.detach().reshape(-1))
+        self.shard = flat[self.lo: self.hi].clone()  # fp32 master slice, its own storage
+        self.grad_shard: torch.Tensor | None = None  # allocated by the first reduce-scatter of a step
+        del flat
+        self.full = torch.empty(self.padded, dtype=precision.param_dtype, device=device)
+        for s in slots:
+            s.param.data = self.full[s.start: s.end].view(s.shape)
+        self.itemsize = self.full.element_size()
+        self.full.untyped_storage().resize_(0)
+        self.handle = None  # the all-gather in flight
+        self.gathered = False
+
+    def grads(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)
+        return self.grad_shard
+
+    def free(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+class FullyShardedDataParallel:
+    dp_sharded = True
+
+    def __init__(self, module: nn.Module, comm: Comm, train_cfg: TrainConfig, *, axes=("cp", "dp"),
+                 policy: WrapPolicy | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
+                 forward_prefetch: bool = False, precision: MixedPrecision = FP32) -> None:
+        self.module, self.comm, self.ctx, self.axes = module, comm, comm.ctx, axes
+        self.n, self.rank = self.ctx.size(axes), self.ctx.group_rank(axes)
+        self.device, self.precision = self.ctx.device, precision
+        # prefetch: gather the next unit of backward while this one computes. forward_prefetch:
+        # the same in forward; off by default (as in FSDP2): it holds one more unit unsharded
+        # during forward, where the activation peak is, for a gain only when compute is short.
+        self.reshard_after_forward, self.prefetch, self.forward_prefetch = reshard_after_forward, prefetch, forward_prefetch
+        # Units in forward order: the root (embeddings ... head) first, then the policy's modules.
+        self.units: list[Unit] = []
+        self._unit_of: dict[int, Unit] = {}
+        self._slot_of: dict[int, Slot] = {}
+        groups = choose_units(module, policy)
+        for name, params in groups:
+            if not params:
+                continue
+            if any(not p.requires_grad for _, p in params):
+                raise ValueError(f"FullyShardedDataParallel: unit {name} has frozen parameters (not supported)")
+            slots, offset = [], 0
+            for pn, p in params:
+                slots.append(Slot(pn, p, offset, p.numel(), p.shape))
+                offset += p.numel()
+            unit = Unit(len(self.units), name, slots, self.n, self.rank, precision, self.device)
+            self.units.append(unit)
+            for s in slots:
+                self._unit_of[id(s.param)] = unit
+                self._slot_of[id(s.param)] = s
+        self.root = self.units[0] if groups[0][1] else None
+        # Gradients complete in reverse forward order, the root (holding the embedding) last.
+        backward_order = [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root else [])
+        self._backward_order = backward_order
+        # The order output-gradient hooks fire in (the head's backward first): prefetch order.
+        blocks = [u for u in self.units if u is not self.root]
+        self._forward_next = {id(a): b for a, b in zip(self.units, self.units[1:])}
+        hooks_order = [*([self.root] if self.root else []), *reversed(blocks)]
+        self._backward_next = {id(a): b for a, b in zip(hooks_order, hooks_order[1:])}
+        self.tracker = ReadyTracker([[(s.name, s.param) for s in u.slots] for u in backward_order], self._launch)
+        self._hooks = []
+        self._pending: list = []
+        self._end_queued = False
+        self.unused_parameters: list[str] = []
+        for unit in self.units:
+            owner = module if unit is self.root else module.get_submodule(unit.name)
+            self._hooks.append(owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u)))
+            self._hooks.append(owner.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out)))
+            for s in unit.slots:
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)))
+        if self.root is None:  # still need the end-of-forward bookkeeping for evaluation
+            self._hooks.append(module.register_forward_hook(lambda m, a, out: self._post_forward(None, out)))
+        segments = []
+        for unit in self.units:
+            for s in unit.slots:
+                a, z = max(unit.lo, s.start), min(unit.hi, s.end)
+                if a < z:
+                    segments.append(MasterSegment(Segment(s, a, z), unit.shard[a - unit.lo: z - unit.lo],
+                                                  lambda u=unit, a=a - unit.lo, z=z - unit.lo: u.grads()[a:z]))
+        self.optim = SegmentAdamW(segments, train_cfg)
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _gather(self, unit: Unit, wait: bool = True) -> None:
+        if not unit.gathered:
+            unit.full.untyped_storage().resize_(unit.padded * unit.itemsize)
+            src = unit.shard if unit.shard.dtype == unit.full.dtype else unit.shard.to(unit.full.dtype)
+            unit.handle = self.comm.all_gather(unit.full, src, self.axes, async_op=True)
+            unit.gathered = True
+        if wait and unit.handle is not None:
+            unit.handle.wait()
+            unit.handle = None
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self._gather(unit)
+        nxt = self._forward_next.get(id(unit))
+        if self.forward_prefetch and nxt is not None:
+            self._gather(nxt, wait=False)
+
+    def _post_forward(self, unit: Unit | None, output):
+        if not torch.is_grad_enabled():  # evaluation: no backward follows; the root ends the forward
+            if unit is None or unit is self.root:
+                for u in self.units:
+                    u.free()
+            elif unit is not None:
+                unit.free()
+            return output
+        if unit is None:
+            return output
+        if unit is not self.root and self.reshard_after_forward:
+            unit.free()
+        for t in (output if isinstance(output, (tuple, list)) else (output,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_end()
+        self._gather(unit)
+        nxt = self._backward_next.get(id(unit))
+        if self.prefetch and nxt is not None:
+            self._gather(nxt, wait=False)
+
+    def _queue_end(self) -> None:
+        if not self._end_queued:
+            _engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+
+    # ------------------------------------------------------------------ gradients
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._queue_end()
+        self.tracker.mark(param)
+
+    def _launch(self, index: int) -> None:
+        """A unit's gradients are complete: flatten them (in the reduce dtype) into one buffer,
+        drop the per-parameter ones, reduce-scatter it asynchronously, free the unsharded params.
+        Flattening at completion rather than at the first gradient keeps the buffer out of the
+        middle of backward, where activations peak (the root's head gradient arrives first and
+        its embedding gradient last)."""
+        unit = self._backward_order[index]
+        staging = torch.zeros(unit.padded, dtype=self.precision.reduce_dtype, device=self.device)
+        with torch.no_grad():
+            for s in unit.slots:
+                if s.param.grad is not None:  # None: an unused parameter, its gradient stays zero
+                    staging[s.start: s.end].copy_(s.param.grad.reshape(-1))
+                    s.param.grad = None
+        out = staging[unit.lo: unit.hi]
+        handle = self.comm.reduce_scatter(out, staging, self.axes, async_op=True)
+        self._drain()  # the previous unit's reduce-scatter had a whole unit's backward to finish
+        self._pending.append((handle, unit, out, staging))
+        unit.free()
+
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters in flight, keep this rank's slices, free the full buffers."""
+        for handle, unit, out, _staging in self._pending:
+            handle.wait()
+            unit.grads().add_(out)
+        self._pending.clear()
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        first = self.tracker.first_step
+        missing = self.tracker.flush()
+        if first:
+            self.unused_parameters = missing
+        self._drain()
+        self.tracker.reset()
+        for u in self.units:
+            u.free()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield  # every backward reduce-scatters (see the module docstring)
+
+    def finish_backward(self) -> None:
+        pass  # each backward finished itself (the queued end-of-backward callback)
+
+    # ------------------------------------------------------------------ step
+
+    def local_grad_squares(self) -> torch.Tensor:
+        return self.optim.local_grad_squares(self.ctx, self.device)
+
+    def clip_and_step(self, lr: float, max_norm: float) -> float:
+        from meshlm.parallel.data_parallel import global_grad_norm
+
+        norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=True)
+        self.optim.step(lr, clip_scale(norm, max_norm))
+        return norm.item()  # the next forward gathers the updated shards
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard = None  # set_to_none: the next backward allocates them again
+
+    # ------------------------------------------------------------------ inspection
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for u in self.units:
+            yield u.shard
+            if u.grad_shard is not None:
+                yield u.grad_shard
+        yield from self.optim.state_tensors()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return {"params": storage_bytes([u.shard for u in self.units] + [u.full for u in self.units]),
+                "grads": storage_bytes([u.grad_shard for u in self.units]), "master": 0,
+                "optimizer": storage_bytes(self.optim.state_tensors())}
+
+    @torch.no_grad()
+    def _full_values(self, grads: bool) -> dict[int, torch.Tensor]:
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, u.grads() if grads else u.shard, self.axes)
+            for s in u.slots:
+                out[id(s.param)] = full[s.start: s.end].view(s.shape).clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the module's names (collective: every rank must call it)."""
+        return named_state(self.module, self._full_values(grads=False))
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        values = self._full_values(grads=True)
+        return {name: values[id(p)] for name, p in self.module.named_parameters()}
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

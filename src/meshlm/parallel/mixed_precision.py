@@ -1,0 +1,129 @@
+"""Mixed precision and the sharded AdamW shared by the data-parallel engines.
+
+Reduces: parameter and gradient bytes (2 instead of 4 per element in bf16) and the bytes on the
+wire of the parameter all-gathers; the optimizer itself never sees bf16.
+Costs: an fp32 master copy of the parameters (4 bytes per element, sharded under ZeRO) and a
+cast after every optimizer step; gradients are upcast and reduced in fp32 by default, so a sum
+over many ranks does not lose the small contributions.
+
+`MixedPrecision(param_dtype, reduce_dtype)` is the policy: the dtype parameters and gradients
+live in on every rank (and compute runs in), and the dtype gradients are summed in.
+`SegmentAdamW` runs torch's own AdamW (foreach=False: the per-tensor path, element for element
+the same arithmetic as the single-process optimizer) on fp32 master *segments*: 1-D views of a
+flat master buffer, each the overlap of a shard with one parameter. A shard crosses parameter
+boundaries, and weight decay differs per parameter (matrices only), hence segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from meshlm.config import TrainConfig
+from meshlm.parallel.flat_buffer import Segment
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """param_dtype: parameters, gradients and compute; reduce_dtype: the gradient reduction."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    @property
+    def enabled(self) -> bool:
+        return self.param_dtype != torch.float32
+
+
+FP32 = MixedPrecision()
+BF16 = MixedPrecision(torch.bfloat16, torch.float32)
+
+
+def decays(param: torch.Tensor) -> bool:
+    """meshlm's weight-decay rule (train/optim.py): matrices decay, 1-D gains and biases do not."""
+    return param.ndim >= 2
+
+
+class MasterSegment:
+    """One piece of the optimizer's work: fp32 `master` (1-D) updated from `grad` (1-D, any dtype).
+    `grad_of()` returns the gradient view: gradient buffers are allocated lazily in backward and
+    freed by zero_grad, so the segment asks for its view when it needs it."""
+
+    __slots__ = ("segment", "master", "grad_of")
+
+    def __init__(self, segment: Segment, master: torch.Tensor, grad_of: Callable[[], torch.Tensor]):
+        self.segment, self.master, self.grad_of = segment, master, grad_of
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.grad_of()
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.segment.slot.param
+
+
+class SegmentAdamW:
+    """torch.optim.AdamW over master segments. `step` assigns each segment its (clipped, fp32)
+    gradient, steps, and drops the gradient references again."""
+
+    def __init__(self, segments: Sequence[MasterSegment], cfg: TrainConfig) -> None:
+        self.segments = list(segments)
+        decay = [s.master for s in self.segments if decays(s.param)]
+        no_decay = [s.master for s in self.segments if not decays(s.param)]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # A rank whose shard holds only padding has nothing to optimise; AdamW refuses empty lists.
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           foreach=False)
+
+    def local_grad_squares(self, ctx, device: torch.device) -> torch.Tensor:
+        from meshlm.parallel.data_parallel import counts_toward_norm
+
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for s in self.segments:
+            if counts_toward_norm(s.param, ctx):
+                squares += s.grad.float().pow(2).sum()
+        return squares
+
+    @torch.no_grad()
+    def step(self, lr: float, scale: torch.Tensor | None) -> None:
+        """AdamW on every segment; `scale` (a 0-d tensor) multiplies the gradients first (clipping)."""
+        for s in self.segments:
+            g = s.grad
+            g = g if g.dtype == s.master.dtype else g.to(s.master.dtype)
+            if scale is not None:
+                g.mul_(scale)  # in place: same arithmetic as clip_grad_norm_; grads are zeroed next
+            s.master.grad = g
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for s in self.segments:
+            s.master.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)); None when clipping is off."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total

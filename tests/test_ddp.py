@@ -1,0 +1,292 @@
+"""meshlm's DDP (and the ZeRO-1/2 engines built on its reducer) against PyTorch's own
+DistributedDataParallel on the same weights and data, and its internals: the flat layout,
+buckets launched in order during backward, no_sync, unused parameters, bytes on the wire."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlm.comm import Comm
+from meshlm.config import TrainConfig, load_config, resolve
+from meshlm.mesh import ParallelContext
+from meshlm.model import Llama, init_weights
+from meshlm.parallel.ddp import DDP
+from meshlm.parallel.flat_buffer import FlatLayout, ReadyTracker
+from meshlm.parallel.mixed_precision import BF16
+from meshlm.parallel.zero import ZeroDataParallel
+from meshlm.testing import run_ranks
+from meshlm.train.optim import build_optimizer
+from meshlm.train.trainer import token_loss_sum
+
+torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
+
+TRAIN = TrainConfig(lr=1e-3, weight_decay=0.1)
+SMALL_BUCKETS = 64 * 1024  # the debug model (~0.6 MB fp32) then spans ~10 buckets
+
+
+def debug_model(seed=7):
+    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1"]))
+    model = Llama(cfg.model)
+    init_weights(model, seed)
+    return model
+
+
+def local_batch(step, rank, n, vocab=512, global_batch=8, seq=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
+    share = global_batch // n
+    rows = tokens[rank * share: (rank + 1) * share]
+    return rows[:, :-1], rows[:, 1:], global_batch * seq
+
+
+def comm_here():
+    return Comm(ParallelContext.from_config(load_config(None, []).parallel))
+
+
+# --------------------------------------------------------------------------- pure bookkeeping
+
+
+def test_flat_layout_buckets_in_reverse_order_padded_and_sharded_exactly():
+    params = [(f"p{i}", nn.Parameter(torch.zeros(k))) for i, k in enumerate([5, 7, 3, 11, 2])]
+    layout = FlatLayout(list(reversed(params)), bucket_bytes=4 * 10, align=4)
+    assert [s.name for s in layout.slots] == ["p4", "p3", "p2", "p1", "p0"]
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p4", "p3"], ["p2", "p1"], ["p0"]]
+    assert all(b.numel % 4 == 0 for b in layout.buckets) and layout.numel == 16 + 12 + 8
+    for b in layout.buckets:  # the 4 shards of each bucket cover its parameters exactly once
+        covered = [0] * layout.numel
+        for r in range(4):
+            for seg in layout.segments(*b.shard(r, 4), b.slots):
+                for i in range(seg.lo, seg.hi):
+                    covered[i] += 1
+        assert all(covered[i] == 1 for s in b.slots for i in range(s.start, s.end))
+
+
+def test_ready_tracker_launches_in_order_and_learns_unused_parameters():
+    a, b, c, d = (nn.Parameter(torch.zeros(1)) for _ in range(4))
+    launched = []
+    tracker = ReadyTracker([[("a", a), ("b", b)], [("c", c)], [("d", d)]], launched.append)
+    tracker.mark(c)  # bucket 1 is full, but bucket 0 is not: nothing may go before it
+    assert launched == []
+    tracker.mark(a)
+    tracker.mark(b)
+    assert launched == [0, 1]
+    assert tracker.flush() == ["d"] and launched == [0, 1, 2]  # d got no gradient on step 1
+    tracker.reset()
+    launched.clear()
+    for p in (a, b, c):
+        tracker.mark(p)
+    assert launched == [0, 1, 2]  # step 2 does not wait for d
+    tracker.reset()
+    for p in (a, b, c):
+        tracker.mark(p)
+    with pytest.raises(RuntimeError, match="'d'"):
+        tracker.mark(d)  # unused on step 1, a gradient now, after its bucket was reduced
+
+
+# --------------------------------------------------------------------------- against torch DDP
+
+
+def _train(engine_kind, steps, **options):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = debug_model()
+    if engine_kind == "torch":
+        engine = nn.parallel.DistributedDataParallel(model)
+        optimizer = build_optimizer(model, TRAIN)
+    else:
+        comm = comm_here()
+        engine = (DDP(model, comm, TRAIN, **options) if engine_kind == "ddp"
+                  else ZeroDataParallel(model, comm, TRAIN, stage=int(engine_kind[-1]), **options))
+    grads = None
+    for step in range(steps):
+        inputs, targets, tokens = local_batch(step, rank, n)
+        module = engine if engine_kind == "torch" else engine.module
+        loss = token_loss_sum(module(inputs), targets) / tokens
+        if engine_kind == "torch":
+            (loss * n).backward()  # torch DDP averages over ranks; meshlm sums a globally normalised loss
+            if grads is None:
+                grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            loss.backward()
+            engine.finish_backward()
+            if grads is None:
+                grads = engine.full_grads()
+            engine.clip_and_step(TRAIN.lr, 1.0)
+            engine.zero_grad()
+    params = engine.full_state_dict() if engine_kind != "torch" else model.state_dict()
+    return grads, {k: v.detach().clone() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
+def test_equals_torch_distributed_data_parallel(kind):
+    reference = run_ranks(_train, 2, "torch", 5, timeout=120)[0]
+    for grads, params in run_ranks(_train, 2, kind, 5, bucket_bytes=SMALL_BUCKETS, timeout=120):
+        for name, g in reference[0].items():
+            assert (grads[name] - g).abs().max() <= 1e-6, name
+        for name, p in reference[1].items():
+            assert (params[name] - p).abs().max() <= 1e-5, name
+
+
+# --------------------------------------------------------------------------- overlap, no_sync, bytes
+
+
+def _overlap_rank():
+    model = debug_model()
+    comm = comm_here()
+    seen_at_last_grad, engine = [], []
+    # The embedding is registered first, so its gradient is produced last in backward; this hook
+    # is registered before DDP's, so it runs just before DDP marks the embedding ready.
+    model.tok_embeddings.weight.register_post_accumulate_grad_hook(
+        lambda p: seen_at_last_grad.append(len(engine[0]._pending)))
+    dp = DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS)
+    engine.append(dp)
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    for micro in range(2):  # the first micro-batch under no_sync: no communication at all
+        with dp.no_sync() if micro == 0 else torch.enable_grad():
+            (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+        if micro == 0:
+            assert not dp._pending and not comm.summary()
+    launched_in_backward = len(dp._pending)
+    dp.finish_backward()
+    ops = [(r["op"], r["count"]) for r in comm.summary()]
+    return len(dp.layout.buckets), seen_at_last_grad, launched_in_backward, ops
+
+
+def test_buckets_launch_during_backward_and_no_sync_defers_communication():
+    n_buckets, seen, launched, ops = run_ranks(_overlap_rank, 2, timeout=60)[0]
+    assert n_buckets >= 5
+    # When the last gradient arrived, all other buckets were already on the wire.
+    assert seen == [0, n_buckets - 1]
+    assert launched == n_buckets  # every bucket launched by the hooks, not by finish_backward
+    assert ops == [("all_reduce", n_buckets)]  # one all-reduce per bucket, only for the last micro-batch
+
+
+def _bytes_rank(kind):
+    model = debug_model()
+    comm = comm_here()
+    engine = (DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS) if kind == "ddp"
+              else ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), bucket_bytes=SMALL_BUCKETS))
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    (token_loss_sum(engine.module(inputs), targets) / tokens).backward()
+    engine.finish_backward()
+    engine.clip_and_step(1e-3, 1.0)
+    sent = {r["op"]: r["bytes_sent"] for r in comm.summary()}
+    return sum(p.numel() for p in model.parameters()), sent
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_on_the_wire_per_step_match_the_formula(world_size):
+    """DDP: 2(N-1)/N x Phi elements per rank; ZeRO-1/2 the same, as reduce-scatter + all-gather
+    (a real reduce-scatter: an all-reduce-then-slice would send twice the gradient bytes)."""
+    n = world_size
+    for kind in ("ddp", "zero1", "zero2"):
+        for phi, sent in run_ranks(_bytes_rank, n, kind, timeout=60):
+            expected = 2 * (n - 1) / n * phi * 4
+            norm_bytes = sent.pop("all_reduce", 0) if kind != "ddp" else 0  # the 4-byte norm all-reduce
+            assert norm_bytes <= 8 * n
+            total = sum(sent.values())
+            assert total == pytest.approx(expected, rel=2e-3), (kind, sent)  # padding: a few elements
+            if kind != "ddp":
+                assert sent["reduce_scatter"] == pytest.approx(sent["all_gather"], rel=1e-9)
+
+
+# --------------------------------------------------------------------------- unused parameters
+
+
+class Branchy(nn.Module):
+    """`unused` gets no gradient unless `use_extra` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.use_extra:
+            h = h + self.unused(h)
+        return self.b(h)
+
+
+def _unused_rank(use_on_step):
+    torch.manual_seed(0)
+    model = Branchy()
+    dp = DDP(model, comm_here(), TRAIN, bucket_bytes=16)
+    x = torch.randn(4, 4) + dist.get_rank()
+    grads = []
+    for step in range(3):
+        model.use_extra = step == use_on_step
+        dp.module(x).sum().backward()
+        dp.finish_backward()
+        grads.append({k: v.clone() for k, v in dp.full_grads().items()})
+        dp.clip_and_step(1e-3, 0.0)
+        dp.zero_grad()
+    return dp.unused_parameters, grads
+
+
+def test_unused_parameters_are_found_on_the_first_step():
+    results = run_ranks(_unused_rank, 2, None, timeout=60)
+    unused, grads = results[0]
+    assert sorted(unused) == ["unused.bias", "unused.weight"]
+    assert grads[0]["a.weight"].abs().sum() > 0
+    for step in range(3):  # the sum over both ranks, identical on each; unused ones stay zero
+        assert torch.equal(grads[step]["a.weight"], results[1][1][step]["a.weight"])
+        assert grads[step]["unused.weight"].abs().sum() == 0
+
+
+def test_a_parameter_unused_on_step_one_then_used_is_a_clear_error():
+    with pytest.raises(AssertionError, match="unused.bias|unused.weight"):
+        run_ranks(_unused_rank, 2, 1, timeout=60)
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _bf16_rank():
+    model = debug_model()
+    comm = comm_here()
+    dp = DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS, precision=BF16)
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+    dp.finish_backward()
+    param_dtypes = {p.dtype for p in model.parameters()}
+    dp.clip_and_step(1e-3, 1.0)
+    reduce_dtypes = {r.dtype for r in comm.recorder.records if r.op == "all_reduce" and r.numel > 1}
+    return param_dtypes, reduce_dtypes, dp.full_grads(), {v.dtype for v in dp.full_state_dict().values()}
+
+
+def test_bf16_parameters_fp32_reduction_and_fp32_master():
+    fp32_grads = run_ranks(_train, 2, "ddp", 1, timeout=60)[0][0]
+    params, reduced, grads, master = run_ranks(_bf16_rank, 2, timeout=60)[0]
+    assert params == {torch.bfloat16} and reduced == {torch.float32} and master == {torch.float32}
+    for name, g in fp32_grads.items():  # bf16 gradients of the same step, up to bf16 rounding
+        assert (grads[name] - g).abs().max() <= 0.02 * g.abs().max() + 1e-6, name
+
+
+# --------------------------------------------------------------------------- the benchmark's contract
+
+
+def test_bench_dp_json_follows_the_design_schema(capsys):
+    import json
+
+    from meshlm.bench.dp import main
+
+    assert main(["--zero", "0,3", "--steps", "1", "--warmup", "0", "--dim", "32", "--layers", "2", "--heads", "2",
+                 "--ffn", "64", "--vocab", "300", "--seq", "16", "--batch", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    required = {"name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
+                "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio",
+                "meshlm_exposed_comm_share", "reference_exposed_comm_share"}
+    assert [r["name"] for r in report["rows"]] == ["zero0", "zero3"]
+    for row in report["rows"]:
+        assert required <= set(row) and row["world_size"] == 2
+        assert row["meshlm_tokens_per_s"] > 0 and row["reference_tokens_per_s"] > 0
+        assert row["meshlm_peak_bytes"] > 0 and row["reference_peak_bytes"] > 0
+        assert 0 <= row["meshlm_exposed_comm_share"] < 1
+    assert [r["reference"] for r in report["rows"]] == ["torch DDP", "fully_shard"]
+    assert main(["--zero", "5"]) == 2  # bad usage: exit 2

@@ -1,0 +1,238 @@
+"""Every data-parallel stage (zero = 0 DDP, 1, 2, 3 FSDP) inside the Trainer against a plain
+single-process PyTorch loop (no meshlm engine in it): same seed, same global batch, gradients
+within 1e-6 and parameters after 5 AdamW steps within 1e-5; the global-token normalisation with
+uneven ranks; and the per-rank model-state bytes against the formulas of docs/zero-fsdp.md."""
+
+import gc
+
+import pydoc_data.topics
+import pytest
+import torch
+
+from meshlm.config import load_config, resolve
+from meshlm.mesh import ParallelContext
+from meshlm.model import Llama, init_weights
+from meshlm.testing import run_ranks
+from meshlm.train.data import TokenLoader, prepare_data
+from meshlm.train.optim import build_optimizer, lr_at
+from meshlm.train.trainer import IGNORE_INDEX, Trainer, token_loss_sum
+
+GLOBAL_BATCH = 8
+STEPS = 5
+# The first optimizer a process builds imports torch._dynamo (seconds); do it once here, so the
+# forked ranks inherit it instead of each paying for it.
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
+    return root
+
+
+def make_cfg(corpus, run_dir, world_size=1, *extra):
+    return resolve(load_config(None, [
+        "model.preset=debug", f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}",
+        "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2",
+        "train.warmup_steps=2", f"train.steps={STEPS}", "train.lr=1e-3", "train.eval_interval=0",
+        f"run.dir={run_dir}", "train.track_memory=false", *extra]), world_size=world_size)
+
+
+class UnevenlyMaskedLoader(TokenLoader):
+    """A different number of masked targets in each sample: dp ranks hold different token counts."""
+
+    def _rows(self, step, start, count):
+        inputs, targets = super()._rows(step, start, count)
+        targets = targets.clone()
+        for j in range(count):
+            targets[j, : (7 * (start + j)) % targets.shape[1]] = IGNORE_INDEX
+        return inputs, targets
+
+
+def plain_reference(cfg, loader_cls=TokenLoader, n_steps=STEPS):
+    """torch only: the model, AdamW, clip_grad_norm_, the full global batch in one forward."""
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
+    t = cfg.train
+    loader = loader_cls(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
+    model = Llama(cfg.model)
+    init_weights(model, cfg.run.seed)
+    optimizer = build_optimizer(model, t)
+    grads, losses = None, []
+    for step in range(n_steps):
+        inputs, targets = loader.global_batch(step)
+        loss_sum = token_loss_sum(model(inputs), targets)
+        (loss_sum / (targets != IGNORE_INDEX).sum()).backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss_sum.item() / (targets != IGNORE_INDEX).sum().item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grads, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def trainer_run(cfg, loader_cls=None, n_steps=STEPS):
+    """(gradients of step 0, full; losses of n_steps; full parameters after them) on this rank."""
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
+    trainer.metrics.active = False
+    if loader_cls is not None:
+        t = cfg.train
+        trainer.loader = loader_cls(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
+    trainer.forward_backward()
+    grads = trainer.dp.full_grads()
+    trainer.dp.zero_grad()
+    losses = [trainer.train_step().loss for _ in range(n_steps)]
+    return grads, losses, trainer.full_state_dict()
+
+
+def _rank(corpus, run_dir, world_size, zero, loader_cls=None, n_steps=STEPS, extra=()):
+    cfg = make_cfg(corpus, run_dir, world_size, f"parallel.zero={zero}", *extra)
+    return trainer_run(cfg, loader_cls, n_steps)
+
+
+def assert_matches(reference, got, grad_tol=1e-6, param_tol=1e-5):
+    (g0, l0, p0), (g1, l1, p1) = reference, got
+    assert set(g0) == set(g1)
+    for name in g0:
+        assert (g0[name] - g1[name]).abs().max() <= grad_tol, f"gradient of {name}"
+    assert l1 == pytest.approx(l0, abs=1e-5)
+    for name in p0:
+        assert (p0[name] - p1[name]).abs().max() <= param_tol, f"parameter {name}"
+    # Not a comparison of two untouched models: 5 steps of AdamW moved every matrix.
+    assert l0[-1] < l0[0]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    return plain_reference(make_cfg(corpus, tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_every_stage_equals_the_single_process_reference(corpus, tmp_path, reference, zero, world_size):
+    # world 2: micro 2 x accumulation 2 x dp 2; world 4: micro 2 x dp 4 (no accumulation).
+    results = run_ranks(_rank, world_size, corpus, tmp_path, world_size, zero, timeout=180)
+    for rank_result in results:
+        assert_matches(reference, rank_result)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_accumulation_equals_one_large_batch(corpus, tmp_path, reference, zero):
+    # 4 micro-batches of 2 on each of 2 ranks against the reference's single batch of 8.
+    results = run_ranks(_rank, 2, corpus, tmp_path, 2, zero, None, 2, ("train.micro_batch_size=1",),
+                        timeout=180)
+    g0, l0, _ = reference
+    for grads, losses, _ in results:
+        for name in g0:
+            assert (g0[name] - grads[name]).abs().max() <= 1e-6, name
+        assert losses == pytest.approx(l0[:2], abs=1e-5)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_loss_is_normalised_by_the_global_token_count(corpus, tmp_path, zero):
+    ref = plain_reference(make_cfg(corpus, tmp_path / "ref"), UnevenlyMaskedLoader, n_steps=2)
+    results = run_ranks(_rank, 2, corpus, tmp_path, 2, zero, UnevenlyMaskedLoader, 2, timeout=180)
+    for grads, losses, params in results:
+        assert_matches((ref[0], ref[1], ref[2]), (grads, losses, params))
+    loader = UnevenlyMaskedLoader(prepare_data(make_cfg(corpus, tmp_path).data, 512, log=lambda m: None)
+                                  .train_tokens(), 32, GLOBAL_BATCH, 1234)
+    counts = [int((t != IGNORE_INDEX).sum()) for _, t in (loader.local_batch(0, r, 2) for r in range(2))]
+    assert counts[0] != counts[1]  # the ranks really hold different numbers of targets
+
+
+def test_bf16_trains_close_to_fp32_for_every_stage(corpus, tmp_path, reference):
+    _, fp32_losses, _ = reference
+
+    def rank(zero):
+        cfg = make_cfg(corpus, tmp_path / f"z{zero}", 2, f"parallel.zero={zero}", "train.dtype=bfloat16")
+        grads, losses, params = trainer_run(cfg, n_steps=3)
+        return losses, {n: p.dtype for n, p in params.items()}
+
+    for zero in (1, 2, 3):
+        for losses, dtypes in run_ranks(rank, 2, zero, timeout=180):
+            assert losses == pytest.approx(fp32_losses[:3], abs=0.05)
+            assert losses != pytest.approx(fp32_losses[:3], abs=1e-6)  # it really ran in bf16
+            assert set(dtypes.values()) == {torch.float32}  # full_state_dict: the fp32 masters
+
+
+# --------------------------------------------------------------------------- model-state memory
+
+# Bytes per parameter held by each rank, N = data-parallel size (docs/zero-fsdp.md derives them).
+FORMULAS = {  # (bytes per param replicated, bytes per param sharded 1/N)
+    ("float32", 0): (16, 0),   # fp32 param 4 + grad 4 + Adam m, v 8
+    ("float32", 1): (8, 8),    # param 4 + grad 4 replicated; m, v sharded (the param shard is the master)
+    ("float32", 2): (4, 12),   # param 4 replicated; grad 4 + m, v 8 sharded
+    ("float32", 3): (0, 16),   # fp32 param shard 4 + grad shard 4 + m, v 8
+    ("bfloat16", 0): (16, 0),  # bf16 param 2 + bf16 grad 2 + fp32 master 4 + m, v 8
+    ("bfloat16", 1): (4, 12),  # bf16 param 2 + grad 2; master 4 + m, v 8 sharded
+    ("bfloat16", 2): (2, 14),  # bf16 param 2; bf16 grad 2 + master 4 + m, v 8 sharded
+    ("bfloat16", 3): (0, 16),  # fp32 shard (the master) 4 + fp32 grad shard 4 + m, v 8
+}
+
+
+def live_tensor_bytes() -> int:
+    """Every tensor storage alive in this process, counted once: a measurement, not the engine's
+    own account (an unsharded buffer the engine forgot to free would show up here)."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - objects that misbehave under isinstance
+            continue
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _build_and_step(zero, dtype, comm):
+    from meshlm.parallel.data_parallel import build_data_parallel
+
+    cfg = resolve(load_config(None, ["model.preset=debug", f"parallel.zero={zero}", f"train.dtype={dtype}",
+                                     "train.micro_batch_size=1", "train.global_batch_size=4"]),
+                  world_size=torch.distributed.get_world_size())
+    model = Llama(cfg.model)
+    init_weights(model, 1)
+    dp = build_data_parallel(model, cfg, comm)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=(zero == 0 and dtype == "bfloat16")):
+        logits = dp.module(tokens)
+    token_loss_sum(logits, tokens).backward()
+    del logits
+    dp.finish_backward()
+    dp.clip_and_step(1e-3, 1.0)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return dp, sum(p.numel() for p in model.parameters()), buffers
+
+
+def _state_bytes_rank(configs):
+    """For each (zero, dtype): (parameter count, live bytes after one step, the engine's account)."""
+    from meshlm.comm import Comm
+
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    baseline = live_tensor_bytes()
+    out = []
+    for zero, dtype in configs:
+        dp, n_params, buffers = _build_and_step(zero, dtype, comm)
+        measured = live_tensor_bytes() - baseline - buffers
+        out.append((zero, dtype, n_params, measured, dp.model_state_bytes()))
+        del dp  # and everything it holds: the next configuration starts from the baseline again
+    return out
+
+
+@pytest.mark.parametrize("world_size, dtypes", [(2, ["float32"]), (4, ["bfloat16"])])
+def test_model_state_bytes_per_rank_match_the_formulas(world_size, dtypes):
+    configs = [(zero, dtype) for dtype in dtypes for zero in range(4)]
+    for rank_result in run_ranks(_state_bytes_rank, world_size, configs, timeout=180):
+        for zero, dtype, n_params, measured, by_kind in rank_result:
+            replicated, sharded = FORMULAS[(dtype, zero)]
+            expected = n_params * (replicated + sharded / world_size)
+            assert measured == pytest.approx(expected, rel=0.05), (zero, dtype, measured, by_kind)
+            assert sum(by_kind.values()) == pytest.approx(expected, rel=0.05), (zero, dtype, by_kind)
