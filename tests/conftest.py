@@ -10,7 +10,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The offline corpus, one per test session, so its tokenizer cache is built once."""
+    from helpers import write_offline_corpus
+
+    return write_offline_corpus(tmp_path_factory.mktemp("corpus"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def single_cli_run(corpus, tmp_path_factory):
+    """One process through `meshlm train` (helpers.cli_train_args): the reference loss curve the
+    end-to-end tests of every layout compare with. Returns (run dir, completed process)."""
+    from helpers import cli_train_args, run_meshlm
+
+    run_dir = tmp_path_factory.mktemp("single-cli-run")
+    return run_dir, run_meshlm(*cli_train_args(corpus, run_dir))

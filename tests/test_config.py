@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from meshlm.config import Config, ConfigError, load_config, resolve, to_toml
+from meshlm.config import ConfigError, load_config, resolve, to_toml
 
 
 def test_overrides_parse_types_and_presets_fill_the_rest():

@@ -2,12 +2,7 @@
 gathered just in time and freed; bytes on the wire; any nn.Module; activation checkpointing;
 and one end-to-end `meshlm train --nproc 2 parallel.zero=3` through torchrun."""
 
-import json
-import os
-import subprocess
-import sys
 
-import pydoc_data.topics
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +18,8 @@ from meshlm.parallel.recompute import apply_activation_checkpointing
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import token_loss_sum
+
+from helpers import cli_train_args, read_metrics, run_meshlm
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
@@ -177,28 +174,10 @@ def test_any_module_with_a_size_policy_equals_the_single_process_reference():
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp-corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
-
-
-def _train_cli(corpus, run_dir, *extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ["train", *extra, "model.preset=debug", f"data.path={corpus / 'topics.txt'}",
-            f"data.cache_dir={corpus / 'cache'}", "train.seq_len=32", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "train.steps=4", "train.lr=1e-3", "train.eval_interval=2",
-            "run.sample_tokens=0", f"run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True, timeout=240,
-                          env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
-def test_meshlm_train_zero3_on_two_ranks_follows_the_single_process_loss_curve(corpus, tmp_path):
-    single = _train_cli(corpus, tmp_path / "one")
-    sharded = _train_cli(corpus, tmp_path / "two", "--nproc", "2", "parallel.dp=2", "parallel.zero=3")
+def test_meshlm_train_zero3_on_two_ranks_follows_the_single_process_loss_curve(corpus, single_cli_run, tmp_path):
+    single = read_metrics(single_cli_run[0])
+    run_meshlm(*cli_train_args(corpus, tmp_path / "two", "parallel.dp=2", "parallel.zero=3", nproc=2))
+    sharded = read_metrics(tmp_path / "two")
     assert [r["loss"] for r in sharded] == pytest.approx([r["loss"] for r in single], abs=1e-5)
     assert [r["eval_loss"] for r in sharded if "eval_loss" in r] == pytest.approx(
         [r["eval_loss"] for r in single if "eval_loss" in r], abs=1e-5)

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import pydoc_data.topics
 import pytest
 import torch
 
@@ -24,13 +23,6 @@ GLOBAL_BATCH = 8
 # Small enough for 4 ranks on 2 cores, deep enough for pp=4 x 2 virtual stages.
 MODEL = ["model.preset=debug", "model.dim=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_dim=64",
          "model.n_layers=8"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp-corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
 
 
 def make_cfg(corpus, run_dir, world_size, *extra):

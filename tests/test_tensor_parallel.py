@@ -117,15 +117,6 @@ def _trainer_steps(corpus, run_dir, world_size, extra, n_steps=3):
     return grads, losses, {n: v.detach().clone() for n, v in trainer.full_state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import pydoc_data.topics
-
-    root = tmp_path_factory.mktemp("tp-corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
-
-
 @pytest.mark.parametrize("world_size,extra", [
     (2, ["parallel.tp=2"]),
     (2, ["parallel.tp=2", "parallel.sp=true"]),

@@ -7,16 +7,8 @@ import os
 import subprocess
 import sys
 
-import pydoc_data.topics
 import pytest
 from safetensors.torch import load_file
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-e2e-corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
 
 
 def meshlm(*args, timeout=240):

@@ -1,6 +1,5 @@
 """Learning-rate schedule, LR scaling rules and the CPU live-tensor memory tracker."""
 
-import math
 
 import pytest
 import torch

@@ -1,37 +1,19 @@
 """The trainer against its single-process reference: accumulation, data parallelism, the global
 token normalisation, activation checkpointing and bf16."""
 
-import pydoc_data.topics
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from meshlm.config import load_config, resolve
 from meshlm.mesh import ParallelContext
 from meshlm.testing import run_ranks
-from meshlm.train.data import TokenLoader, prepare_data
+from meshlm.train.data import prepare_data
 from meshlm.train.trainer import IGNORE_INDEX, Trainer
 
-GLOBAL_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
+from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, small_cfg
 
 
 def make_cfg(corpus, run_dir, world_size=1, *extra):
-    return resolve(load_config(None, [
-        "model.preset=debug", f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}",
-        "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2",
-        # lr 1e-3: Adam divides by sqrt(v), so an element whose gradient is ~eps turns a 1e-9
-        # difference in summation order into a relative change of its update; the 1e-5 parameter
-        # tolerance is meant relative to updates of realistic size.
-        "train.warmup_steps=2", "train.steps=4", "train.lr=1e-3", "train.eval_interval=0",
-        f"run.dir={run_dir}", "train.track_memory=false", *extra]), world_size=world_size)
+    return small_cfg(corpus, run_dir, world_size, *extra, steps=4)
 
 
 def build_trainer(cfg, loader_cls=None):
@@ -82,18 +64,6 @@ def test_data_parallel_equals_single_process(corpus, tmp_path, world_size):
     results = run_ranks(_dp_rank, world_size, corpus, tmp_path / "dp", world_size, timeout=120)
     for rank_result in results:
         assert_close(reference, rank_result)
-
-
-class UnevenlyMaskedLoader(TokenLoader):
-    """Masks a different number of leading targets in each sample of the global batch, so dp
-    ranks hold different target-token counts."""
-
-    def _rows(self, step, start, count):
-        inputs, targets = super()._rows(step, start, count)
-        targets = targets.clone()
-        for j in range(count):
-            targets[j, : (7 * (start + j)) % targets.shape[1]] = IGNORE_INDEX
-        return inputs, targets
 
 
 def test_loss_is_normalised_by_the_global_target_token_count(corpus, tmp_path):

@@ -5,7 +5,6 @@ uneven ranks; and the per-rank model-state bytes against the formulas of docs/ze
 
 import gc
 
-import pydoc_data.topics
 import pytest
 import torch
 
@@ -17,37 +16,16 @@ from meshlm.train.data import TokenLoader, prepare_data
 from meshlm.train.optim import build_optimizer, lr_at
 from meshlm.train.trainer import IGNORE_INDEX, Trainer, token_loss_sum
 
-GLOBAL_BATCH = 8
+from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, small_cfg
+
 STEPS = 5
 # The first optimizer a process builds imports torch._dynamo (seconds); do it once here, so the
 # forked ranks inherit it instead of each paying for it.
 torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
-    return root
-
-
 def make_cfg(corpus, run_dir, world_size=1, *extra):
-    return resolve(load_config(None, [
-        "model.preset=debug", f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}",
-        "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2",
-        "train.warmup_steps=2", f"train.steps={STEPS}", "train.lr=1e-3", "train.eval_interval=0",
-        f"run.dir={run_dir}", "train.track_memory=false", *extra]), world_size=world_size)
-
-
-class UnevenlyMaskedLoader(TokenLoader):
-    """A different number of masked targets in each sample: dp ranks hold different token counts."""
-
-    def _rows(self, step, start, count):
-        inputs, targets = super()._rows(step, start, count)
-        targets = targets.clone()
-        for j in range(count):
-            targets[j, : (7 * (start + j)) % targets.shape[1]] = IGNORE_INDEX
-        return inputs, targets
+    return small_cfg(corpus, run_dir, world_size, *extra, steps=STEPS)
 
 
 def plain_reference(cfg, loader_cls=TokenLoader, n_steps=STEPS):

@@ -50,7 +50,7 @@ def cmd_train(args) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     # Data is prepared once here, before ranks start, so N ranks never race to build the cache.
-    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
+    prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
     print(f"meshlm: {cfg.model.preset} model ({cfg.model.dim}d x {cfg.model.n_layers}L), "
           f"{world_size} rank(s) dp={cfg.parallel.dp}, {cfg.train.steps} steps of "
           f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}", flush=True)

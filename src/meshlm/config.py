@@ -46,13 +46,13 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    steps: int = 300
     seq_len: int = 128
     micro_batch_size: int = 16
     global_batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 40
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -26,45 +26,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from meshlm.bench.report import bench_row, emit
+from meshlm.train.memtrack import measure_peak_bytes
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
-
-
-class LiveStorageBytes(TorchDispatchMode):
-    """Peak of the summed current sizes of every storage seen (as input or output) by an op."""
-
-    def __init__(self, tensors) -> None:
-        super().__init__()
-        self.storages = WeakIdKeyDictionary()
-        self.peak = 0
-        self._note_all(tensors)
-        self.peak = self._live()
-
-    def _note_all(self, tensors) -> None:
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                try:
-                    self.storages[_local(t).untyped_storage()] = True
-                except (RuntimeError, NotImplementedError):
-                    pass
-
-    def _live(self) -> int:
-        return sum(s.nbytes() for s in list(self.storages.keys()))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._note_all(tree_leaves((args, kwargs, out)))
-        self.peak = max(self.peak, self._live())
-        return out
 
 
 # --------------------------------------------------------------------------- engines (every rank)
@@ -179,19 +145,9 @@ def _peak_bytes(kind: str, zero: int, opts, comm, device) -> int:
     engine = Engine(kind, zero, opts, comm, device, capture_buckets=True)
     engine.step(*_batch(1, opts, device))
     inputs, targets, tokens = _batch(0, opts, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        engine.step(inputs, targets, tokens)
-        torch.cuda.synchronize(device)
-        resident = sum(_local(t).untyped_storage().nbytes() for t in engine.state())
-        peak = torch.cuda.max_memory_allocated(device) - before + resident
-    else:
-        tracker = LiveStorageBytes(engine.state())
-        with tracker:
-            engine.step(inputs, targets, tokens)
-        peak = tracker.peak
+    # ZeRO-3 frees gathered parameters by resizing storages in place: follow resizes.
+    peak = measure_peak_bytes(lambda: engine.step(inputs, targets, tokens), engine.state(), device,
+                              track_resizes=True)
     biggest = torch.tensor([float(peak)], dtype=torch.float64, device=device)
     comm.all_reduce(biggest, "world", op=dist.ReduceOp.MAX)
     return int(biggest.item())

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.bench.report import bench_row, emit
+from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 
@@ -60,24 +61,6 @@ def _tensors_in(obj, seen=None, depth=0) -> list[torch.Tensor]:
     else:
         return []
     return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
-
-
-def _peak(device, fn, state) -> int:
-    from meshlm.train.memtrack import LiveTensorBytes
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        mine = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in state}.values())
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        return int(torch.cuda.max_memory_allocated(device) - before + mine)
-    tracker = LiveTensorBytes()  # fresh, so the other side's model (alive too) is not counted
-    tracker.track(state)
-    tracker.reset_peak()
-    with tracker:
-        fn()
-    return int(tracker.peak)
 
 
 def build_stage(cfg, pp: int, rank: int, virtual: int, device):
@@ -168,7 +151,7 @@ def _bench_rank(a: dict) -> list[dict]:
                 if i == a["warmup"] - 1:  # memory once, warm: optimizer state and runtime buffers exist
                     state = [*module.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                                      if isinstance(t, torch.Tensor)), *_tensors_in(runtime)]
-                    peaks[name] = _peak(device, lambda: losses[name].append(step(i)), state)
+                    peaks[name] = measure_peak_bytes(lambda: losses[name].append(step(i)), state, device)
                     continue
                 dist.barrier()
                 if device.type == "cuda":

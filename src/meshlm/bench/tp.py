@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshlm.bench.report import bench_row, emit
+from meshlm.train.memtrack import measure_peak_bytes
 
 IGNORE_INDEX = -100
 
@@ -68,54 +69,6 @@ def dtensor_loss_sum(logits, targets):
 # --------------------------------------------------------------------------- measuring (every rank)
 
 
-def _live_bytes_tracker():
-    """meshlm's CPU live-bytes counter, taught to count a DTensor by its local shard."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
-    from meshlm.train.memtrack import LiveTensorBytes
-
-    class ShardAwareLiveBytes(LiveTensorBytes):
-        def _note(self, t):
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            if isinstance(t, AsyncCollectiveTensor):  # a collective's result, wrapped until used
-                t = t.elem
-            super()._note(t)
-
-    return ShardAwareLiveBytes()
-
-
-class _PeakMeter:
-    """Peak bytes of one step of one model. On CPU a fresh tracker each time, so the other
-    model (alive, alternating with this one) is not counted. On GPU both models' state is in the
-    allocator's peak; the other model's is subtracted by the caller via `resident`."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def measure(self, fn, state):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            mine = sum(t.numel() * t.element_size() for t in map(_local, state))
-            torch.cuda.reset_peak_memory_stats(self.device)
-            fn()
-            return int(torch.cuda.max_memory_allocated(self.device) - before + mine)
-        tracker = _live_bytes_tracker()
-        tracker.track(state)
-        tracker.reset_peak()
-        with tracker:
-            fn()
-        return int(tracker.peak)
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _build(kind: str, cfg, comm, mesh, device):
     """(model, optimizer, loss function, context manager for the loss) for 'meshlm' or 'dtensor'."""
     import contextlib
@@ -157,7 +110,6 @@ def _bench_rank(args_dict: dict) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len + 1), generator=gen).to(ctx.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    meter = _PeakMeter(ctx.device)
     rows = []
     for sp in a.sp_modes:
         pair = {}
@@ -180,7 +132,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
                 model, opt = pair[kind][0], pair[kind][1]
                 if i == a.warmup - 1:  # measure memory once, warm (optimizer state exists)
                     state = [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
-                    peaks[kind] = meter.measure(lambda: step(kind), state)
+                    peaks[kind] = measure_peak_bytes(lambda: step(kind), state, ctx.device)
                     continue
                 dist.barrier()
                 if ctx.device.type == "cuda":

@@ -17,12 +17,26 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory on this rank: a DTensor's local shard, or the result inside a
+    not-yet-waited functional collective."""
+    t = getattr(t, "_local_tensor", t)  # DTensor
+    if type(t).__name__ == "AsyncCollectiveTensor":
+        t = t.elem
+    return t
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of live tensor storages created inside the mode, plus any registered with
-    `track`; `peak` is the high-water mark since the last `reset_peak`."""
+    `track`; `peak` is the high-water mark since the last `reset_peak`.
 
-    def __init__(self) -> None:
+    `track_resizes=True` also follows storages that change size in place (FSDP frees a unit's
+    gathered parameters with `storage.resize_(0)`, which is no aten op): it re-sums the current
+    size of every storage seen, as input or output, after each op. Exact, but slower."""
+
+    def __init__(self, track_resizes: bool = False) -> None:
         super().__init__()
+        self.track_resizes = track_resizes
         self._sizes = WeakIdKeyDictionary()
         self._refs: set[weakref.ref] = set()
         self.live = 0
@@ -33,11 +47,14 @@ class LiveTensorBytes(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self._note(t)
+        if self.track_resizes:
+            self._resum()
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
     def _note(self, t: torch.Tensor) -> None:
+        t = _plain(t)
         if t.is_meta or t.device.type != "cpu":
             return
         try:
@@ -48,6 +65,8 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         self._sizes[storage] = nbytes
+        if self.track_resizes:
+            return  # `_resum` recounts everything after the op
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
@@ -57,12 +76,40 @@ class LiveTensorBytes(TorchDispatchMode):
 
         self._refs.add(weakref.ref(storage, freed))
 
+    def _resum(self) -> None:
+        self.live = sum(storage.nbytes() for storage in list(self._sizes.keys()))
+        self.peak = max(self.peak, self.live)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        for t in tree_leaves((args, kwargs, out) if self.track_resizes else out):
             if isinstance(t, torch.Tensor):
                 self._note(t)
+        if self.track_resizes:
+            self._resum()
         return out
+
+
+def measure_peak_bytes(fn, state_tensors: Iterable[torch.Tensor], device: torch.device,
+                       track_resizes: bool = False) -> int:
+    """Peak bytes on this rank while `fn()` runs, counting `state_tensors` (already live) and
+    nothing else that exists before: so two models alive side by side (a benchmark alternating
+    meshlm and its reference) are each measured alone."""
+    state = list(state_tensors)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        storages = {_plain(t).untyped_storage().data_ptr(): _plain(t).untyped_storage() for t in state}
+        mine = sum(s.nbytes() for s in storages.values())
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        return int(torch.cuda.max_memory_allocated(device) - before + mine)
+    tracker = LiveTensorBytes(track_resizes)
+    tracker.track(state)
+    tracker.reset_peak()
+    with tracker:
+        fn()
+    return int(tracker.peak)
 
 
 class PeakMemory:
@@ -71,11 +118,11 @@ class PeakMemory:
     Usage: `with meter.step(state_tensors): ...` then read `meter.last_peak` (None if disabled).
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, track_resizes: bool = False) -> None:
         self.device = device
         self.enabled = enabled
         self.last_peak: int | None = None
-        self._cpu_tracker = LiveTensorBytes() if enabled and device.type == "cpu" else None
+        self._cpu_tracker = LiveTensorBytes(track_resizes) if enabled and device.type == "cpu" else None
 
     def step(self, state_tensors: Iterable[torch.Tensor] = ()):
         return _StepScope(self, state_tensors)

@@ -72,7 +72,8 @@ class Trainer:
         t = cfg.train
         self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
         self.eval_set = eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)
-        self.memory = PeakMemory(self.device, enabled=t.track_memory)
+        # FSDP frees gathered parameters by resizing storages in place: the tracker must follow that.
+        self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops = t.peak_tflops or device_peak_tflops(self.device, t.dtype)
         self.step = 0

@@ -1,0 +1,76 @@
+"""Pieces the test files share: the offline corpus, a small training config, the CLI runner and a
+loader that gives data-parallel ranks different numbers of target tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pydoc_data.topics
+
+from meshlm.config import Config, load_config, resolve
+from meshlm.train.data import TokenLoader
+from meshlm.train.trainer import IGNORE_INDEX
+
+GLOBAL_BATCH = 8
+
+
+def write_offline_corpus(root: Path) -> Path:
+    """~0.5 MB of English from the standard library's documentation: no network in tests."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "topics.txt").write_text("\n\n".join(pydoc_data.topics.topics.values()))
+    return root
+
+
+def data_args(corpus: Path) -> list[str]:
+    return [f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}"]
+
+
+def small_train_args(corpus: Path, run_dir: Path, steps: int = 5) -> list[str]:
+    """The debug model on the offline corpus: a few fast steps at a modest lr.
+
+    lr 1e-3: Adam divides by sqrt(v), so an element whose gradient is ~eps turns a 1e-9
+    difference in summation order into a relative change of its update; the 1e-5 parameter
+    tolerance is meant relative to updates of realistic size."""
+    return ["model.preset=debug", *data_args(corpus), "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.micro_batch_size=2", "train.warmup_steps=2", f"train.steps={steps}", "train.lr=1e-3",
+            "train.eval_interval=0", f"run.dir={run_dir}", "train.track_memory=false"]
+
+
+def small_cfg(corpus: Path, run_dir: Path, world_size: int = 1, *extra: str, steps: int = 5) -> Config:
+    return resolve(load_config(None, [*small_train_args(corpus, run_dir, steps), *extra]), world_size=world_size)
+
+
+def run_meshlm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`meshlm ARGS` in a subprocess (the real CLI and launch path); fails the test on exit != 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+class UnevenlyMaskedLoader(TokenLoader):
+    """Masks a different number of leading targets in each sample of the global batch, so dp
+    ranks hold different target-token counts."""
+
+    def _rows(self, step, start, count):
+        inputs, targets = super()._rows(step, start, count)
+        targets = targets.clone()
+        for j in range(count):
+            targets[j, : (7 * (start + j)) % targets.shape[1]] = IGNORE_INDEX
+        return inputs, targets
+
+
+def cli_train_args(corpus: Path, run_dir: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """`meshlm train` on the debug model for 4 steps with evals at 2 and 4; overrides win."""
+    return ["train", "--nproc", str(nproc), "model.preset=debug", *data_args(corpus), "train.seq_len=32",
+            f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2", "train.steps=4", "train.lr=1e-3",
+            "train.eval_interval=2", "run.sample_tokens=8", f"run.dir={run_dir}", *overrides]
