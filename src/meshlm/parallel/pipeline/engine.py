@@ -76,9 +76,14 @@ class _Clock:
 
 
 class PipelineEngine:
-    def __init__(self, stage: PipelineStageModel, p2p: PipelineP2P, activation_dtype: torch.dtype = torch.float32):
+    def __init__(self, stage: PipelineStageModel, p2p: PipelineP2P, activation_dtype: torch.dtype = torch.float32,
+                 sequence_shards: int = 1):
         self.stage = stage
         self.p2p = p2p
+        # Under sequence parallelism the residual stream between blocks is split along the sequence
+        # over tp, so each tp rank sends its 1/tp slice to the same tp rank of the next stage
+        # (Megatron does the same): stage boundaries cost 1/tp of the bytes.
+        self.sequence_shards = sequence_shards
         self.device = p2p.ctx.device
         self.activation_dtype = activation_dtype
         self.split_sends = p2p.ctx.backend == "gloo"
@@ -93,7 +98,7 @@ class PipelineEngine:
         first uses the inputs, the last the targets, the others their shape)."""
         stage, p2p = self.stage, self.p2p
         rows, seq = microbatches[0][0].shape if microbatches else (0, 0)
-        spec = TensorSpec((rows, seq, stage.cfg.dim), self.activation_dtype)
+        spec = TensorSpec((rows, seq // self.sequence_shards, stage.cfg.dim), self.activation_dtype)
         if microbatches:
             p2p.agree(spec)
         last_backward = max((i for i, ins in enumerate(program) if ins.op == BACKWARD), default=-1)
@@ -122,15 +127,14 @@ class PipelineEngine:
                         if not stage.is_first(ins.chunk) else microbatches[ins.microbatch][0].to(self.device)
                     t0 = clock.mark()
                     with autocast():
-                        out = stage(x, ins.chunk)
+                        out = stage(x, ins.chunk, seq_len=seq)
                     if stage.is_last(ins.chunk):
                         loss = loss_fn(out, microbatches[ins.microbatch][1].to(self.device))
                         stats.loss_sum += loss.detach().double()
                         out = loss / loss_divisor
                     elif out.dtype != spec.dtype or tuple(out.shape) != spec.shape:
                         raise RuntimeError(f"chunk {ins.chunk} produced activations of {list(out.shape)} {out.dtype}; "
-                                           f"the stages agreed on {spec} (sequence-sharded activations between "
-                                           f"stages are not supported)")
+                                           f"the stages agreed on {spec}")
                     timed.append((FORWARD, t0, clock.mark()))
                     if train:
                         outputs[key] = out

@@ -46,7 +46,8 @@ class PipelineRunner:
         self.schedules = build_schedule(self.kind, self.pp, self.microbatches, self.virtual)
         self.program = self.schedules[self.pp_rank]
         self.p2p = PipelineP2P(comm)
-        self.engine = PipelineEngine(stage, self.p2p)
+        self.engine = PipelineEngine(stage, self.p2p,
+                                     sequence_shards=comm.ctx.size("tp") if cfg.parallel.sp else 1)
         self.last_stats: RunStats | None = None
         self._eval_programs: dict[int, list] = {}
 

@@ -88,8 +88,10 @@ class PipelineStageModel(nn.Module):
             return self.tok_embeddings.weight
         return self.output.weight if self.holds_head else None
 
-    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        cos, sin = self.rope(x.shape[1])
+    def forward(self, x: torch.Tensor, chunk: int = 0, seq_len: int | None = None) -> torch.Tensor:
+        """`seq_len`: the full sequence length when `x` is a sequence-parallel shard of it (the
+        blocks gather the whole sequence before attention, so rotary tables must cover it)."""
+        cos, sin = self.rope(seq_len or x.shape[1])
         h = self.tok_embeddings(x) if self.is_first(chunk) else x
         for i in self.chunk_layers[chunk]:
             h = self.layers[str(i)](h, cos, sin)
