@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import bench_row, emit
+from meshlm.bench.report import bench_row, emit, load_average, run_on_ranks
 from meshlm.train.memtrack import measure_peak_bytes
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
@@ -229,23 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         opts = _parse(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: use its world
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        try:
-            rows = _bench_rank(opts)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return 0
-    else:
-        from meshlm.testing import run_ranks
-
-        if opts.nproc < 2:
-            print("meshlm bench dp: --nproc must be >= 2 (data parallelism needs ranks)", file=sys.stderr)
-            return 2
-        rows = run_ranks(_bench_rank, opts.nproc, opts, timeout=3600)[0]
-    emit(rows, opts.json, bench="dp", load_average=os.getloadavg())
+    if "RANK" not in os.environ and opts.nproc < 2:
+        print("meshlm bench dp: --nproc must be >= 2 (data parallelism needs ranks)", file=sys.stderr)
+        return 2
+    rows = run_on_ranks(_bench_rank, opts, opts.nproc)
+    if rows is not None:
+        emit(rows, opts.json, bench="dp", load_average=load_average())
     return 0
 
 

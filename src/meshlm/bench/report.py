@@ -1,4 +1,5 @@
-"""The shared shape of a model benchmark's result (DESIGN.md's `--json` contract) and its table.
+"""What every model benchmark shares: where its ranks come from, the shape of its result
+(DESIGN.md's `--json` contract) and its table.
 
 Each bench runs meshlm and the PyTorch reference alternately on the same model, data and world
 size, and reports medians of the paired runs: ratios > 1 in tokens/s and < 1 in memory favour
@@ -8,8 +9,9 @@ meshlm.
 from __future__ import annotations
 
 import json
+import os
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 
 def bench_row(name: str, world_size: int, reference: str, meshlm_tokens_per_s: list[float],
@@ -51,3 +53,31 @@ def emit(rows: list[dict[str, Any]], as_json: bool, **extra: Any) -> None:
         print(json.dumps({"rows": rows, **extra}, indent=2))
     else:
         print(format_rows(rows))
+
+
+def run_on_ranks(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int) -> list[dict] | None:
+    """`rank_fn(params)` on every rank; rank 0's rows, or None on the other ranks of a torchrun job.
+
+    Inside an initialised process group: that world. Under torchrun (RANK set): join its world
+    (NCCL on GPUs). Otherwise: fork `nproc` local gloo ranks (meshlm.testing.run_ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return rank_fn(params)
+    if "RANK" in os.environ:
+        from meshlm.mesh import default_backend
+
+        dist.init_process_group(default_backend())
+        try:
+            rows = rank_fn(params)
+        finally:
+            dist.destroy_process_group()
+        return rows if int(os.environ["RANK"]) == 0 else None
+    from meshlm.testing import run_ranks
+
+    return run_ranks(rank_fn, nproc, params, timeout=3600)[0]
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load: benchmark numbers on a shared machine need it beside them."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, emit
+from meshlm.bench.report import bench_row, emit, load_average, run_on_ranks
 from meshlm.train.memtrack import measure_peak_bytes
 
 IGNORE_INDEX = -100
@@ -185,26 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshlm bench tp: error: {e}", flush=True)
         return 2
     params = {**vars(args), "sp_modes": {"both": [False, True], "on": [True], "off": [False]}[args.sp]}
-    if dist.is_available() and dist.is_initialized():
-        rows = _bench_rank(params)
-    elif "RANK" in os.environ:  # under torchrun: join its world
-        from meshlm.mesh import default_backend
-
-        dist.init_process_group(default_backend())
-        try:
-            rows = _bench_rank(params)
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return 0
-    else:
-        from meshlm.testing import run_ranks
-
-        rows = run_ranks(_bench_rank, args.nproc, params, timeout=3600)[0]
-    import subprocess
-
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip() if os.name == "posix" else ""
-    emit(rows, args.json, load=load)
+    rows = run_on_ranks(_bench_rank, params, args.nproc)
+    if rows is not None:
+        emit(rows, args.json, load_average=load_average())
     return 0
 
 

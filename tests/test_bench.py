@@ -1,0 +1,36 @@
+"""`meshlm bench tp` and `meshlm bench pp` print DESIGN.md's `--json` rows (tiny runs; the
+numbers themselves live in benchmarks/RESULTS.md, not in tests). `bench dp` is in test_ddp.py."""
+
+import json
+
+import pytest
+
+DESIGN_FIELDS = {"name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
+                 "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio"}
+
+
+def check_rows(report, names):
+    assert [r["name"] for r in report["rows"]] == names
+    for row in report["rows"]:
+        assert DESIGN_FIELDS <= set(row) and row["world_size"] == 2
+        assert row["meshlm_tokens_per_s"] > 0 and row["reference_tokens_per_s"] > 0
+        assert row["meshlm_peak_bytes"] > 0 and row["reference_peak_bytes"] > 0
+        assert row["tokens_per_s_ratio"] == pytest.approx(row["meshlm_tokens_per_s"] / row["reference_tokens_per_s"])
+
+
+def test_bench_tp_json(capsys):
+    from meshlm.bench.tp import main
+
+    assert main(["--json", "--preset", "debug", "--seq-len", "16", "--batch", "2", "--pairs", "1",
+                 "--warmup", "1", "--sp", "both"]) == 0
+    check_rows(json.loads(capsys.readouterr().out), ["tp2", "tp2+sp"])
+
+
+def test_bench_pp_json(capsys):
+    from meshlm.bench.pp import main
+
+    assert main(["--json", "--preset", "debug", "--schedule", "1f1b", "--seq-len", "16", "--batch", "4",
+                 "--microbatches", "2", "--pairs", "1", "--warmup", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    check_rows(report, ["pp2-1f1b"])
+    assert report["rows"][0]["loss_max_abs_diff"] == 0  # same stages, same schedule: same losses
