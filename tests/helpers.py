@@ -74,3 +74,42 @@ def cli_train_args(corpus: Path, run_dir: Path, *overrides: str, nproc: int = 1)
     return ["train", "--nproc", str(nproc), "model.preset=debug", *data_args(corpus), "train.seq_len=32",
             f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=2", "train.steps=4", "train.lr=1e-3",
             "train.eval_interval=2", "run.sample_tokens=8", f"run.dir={run_dir}", *overrides]
+
+
+def build_trainer(cfg: Config, loader_cls: type[TokenLoader] | None = None):
+    """A Trainer on this rank (process group, if any, already up), metrics off; optionally with
+    another loader class over the same tokens."""
+    from meshlm.mesh import ParallelContext
+    from meshlm.train.data import prepare_data
+    from meshlm.train.trainer import Trainer
+
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
+    trainer.metrics.active = False
+    if loader_cls is not None:
+        t = cfg.train
+        trainer.loader = loader_cls(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
+    return trainer
+
+
+def debug_model(seed: int = 7, recompute: str = "none"):
+    """The debug-preset Llama, initialised, for tests of engines that wrap any nn.Module."""
+    from meshlm.model import Llama, init_weights
+    from meshlm.parallel.recompute import apply_activation_checkpointing
+
+    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1"]))
+    model = Llama(cfg.model)
+    init_weights(model, seed)
+    apply_activation_checkpointing(model, recompute)
+    return model
+
+
+def local_batch(step: int, rank: int, n: int, vocab: int = 512, global_batch: int = 8, seq: int = 16):
+    """Rank `rank`'s share of step `step`'s random global batch: (inputs, targets, global token count)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
+    share = global_batch // n
+    rows = tokens[rank * share: (rank + 1) * share]
+    return rows[:, :-1], rows[:, 1:], global_batch * seq

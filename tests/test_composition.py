@@ -4,21 +4,16 @@
 import pytest
 import torch
 
-from meshlm.mesh import ParallelContext
 from meshlm.testing import run_ranks
-from meshlm.train.data import prepare_data
-from meshlm.train.trainer import Trainer
 
-from helpers import small_cfg
+from helpers import build_trainer, small_cfg
 
 STEPS = 3
 
 
 def losses_and_weights(corpus, run_dir, world_size, *extra):
     cfg = small_cfg(corpus, run_dir, world_size, "model.n_layers=4", *extra, steps=STEPS)
-    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
-    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
-    trainer.metrics.active = False
+    trainer = build_trainer(cfg)
     losses = [trainer.train_step().loss for _ in range(STEPS)]
     weights = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
     return losses, weights, trainer.ctx.rank

@@ -8,9 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.comm import Comm
-from meshlm.config import TrainConfig, load_config, resolve
+from meshlm.config import TrainConfig, load_config
 from meshlm.mesh import ParallelContext
-from meshlm.model import Llama, init_weights
 from meshlm.parallel.ddp import DDP
 from meshlm.parallel.flat_buffer import FlatLayout, ReadyTracker
 from meshlm.parallel.mixed_precision import BF16
@@ -19,25 +18,12 @@ from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import token_loss_sum
 
+from helpers import debug_model, local_batch
+
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.1)
 SMALL_BUCKETS = 64 * 1024  # the debug model (~0.6 MB fp32) then spans ~10 buckets
-
-
-def debug_model(seed=7):
-    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1"]))
-    model = Llama(cfg.model)
-    init_weights(model, seed)
-    return model
-
-
-def local_batch(step, rank, n, vocab=512, global_batch=8, seq=16):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
-    share = global_batch // n
-    rows = tokens[rank * share: (rank + 1) * share]
-    return rows[:, :-1], rows[:, 1:], global_batch * seq
 
 
 def comm_here():

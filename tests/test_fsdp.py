@@ -9,37 +9,19 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.comm import Comm
-from meshlm.config import TrainConfig, load_config, resolve
+from meshlm.config import TrainConfig, load_config
 from meshlm.mesh import ParallelContext
-from meshlm.model import Llama, init_weights
 from meshlm.model.llama import TransformerBlock
 from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class, by_size
-from meshlm.parallel.recompute import apply_activation_checkpointing
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import token_loss_sum
 
-from helpers import cli_train_args, read_metrics, run_meshlm
+from helpers import cli_train_args, debug_model, local_batch, read_metrics, run_meshlm
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.1)
-
-
-def debug_model(seed=7, recompute="none"):
-    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1"]))
-    model = Llama(cfg.model)
-    init_weights(model, seed)
-    apply_activation_checkpointing(model, recompute)
-    return model
-
-
-def local_batch(step, rank, n, vocab=512, global_batch=8, seq=16):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
-    share = global_batch // n
-    rows = tokens[rank * share: (rank + 1) * share]
-    return rows[:, :-1], rows[:, 1:], global_batch * seq
 
 
 def _torch_fsdp(steps, reshard_after_forward):

@@ -4,26 +4,14 @@ token normalisation, activation checkpointing and bf16."""
 import pytest
 import torch
 
-from meshlm.mesh import ParallelContext
 from meshlm.testing import run_ranks
-from meshlm.train.data import prepare_data
-from meshlm.train.trainer import IGNORE_INDEX, Trainer
+from meshlm.train.trainer import IGNORE_INDEX
 
-from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, small_cfg
+from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, build_trainer, small_cfg
 
 
 def make_cfg(corpus, run_dir, world_size=1, *extra):
     return small_cfg(corpus, run_dir, world_size, *extra, steps=4)
-
-
-def build_trainer(cfg, loader_cls=None):
-    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
-    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
-    trainer.metrics.active = False
-    if loader_cls is not None:
-        t = cfg.train
-        trainer.loader = loader_cls(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
-    return trainer
 
 
 def grads_then_steps(cfg, n_steps=3, loader_cls=None):

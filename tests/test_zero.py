@@ -14,9 +14,9 @@ from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
 from meshlm.train.data import TokenLoader, prepare_data
 from meshlm.train.optim import build_optimizer, lr_at
-from meshlm.train.trainer import IGNORE_INDEX, Trainer, token_loss_sum
+from meshlm.train.trainer import IGNORE_INDEX, token_loss_sum
 
-from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, small_cfg
+from helpers import GLOBAL_BATCH, UnevenlyMaskedLoader, build_trainer, small_cfg
 
 STEPS = 5
 # The first optimizer a process builds imports torch._dynamo (seconds); do it once here, so the
@@ -54,12 +54,7 @@ def plain_reference(cfg, loader_cls=TokenLoader, n_steps=STEPS):
 
 def trainer_run(cfg, loader_cls=None, n_steps=STEPS):
     """(gradients of step 0, full; losses of n_steps; full parameters after them) on this rank."""
-    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
-    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
-    trainer.metrics.active = False
-    if loader_cls is not None:
-        t = cfg.train
-        trainer.loader = loader_cls(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
+    trainer = build_trainer(cfg, loader_cls)
     trainer.forward_backward()
     grads = trainer.dp.full_grads()
     trainer.dp.zero_grad()
