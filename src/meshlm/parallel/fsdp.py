@@ -21,6 +21,12 @@ so autograd's saved references to them see the re-gathered values in backward).
 - a callback queued on the autograd engine ends each backward: waits, reshards what is left.
 Every micro-batch's backward reduce-scatters (`no_sync()` has no effect, as in ZeRO-2).
 Activation checkpointing works unchanged: recomputation runs after the output-gradient hook.
+The root unit stays unsharded from forward to backward (no second all-gather for it), except its
+embedding tables: their weights are laid out last in the root's buffer and, with
+`reshard_after_forward`, cut off its storage after forward, since an embedding's backward needs
+only the indices. That is done only when the forward saved nothing for backward in that range
+(checked on every forward by a saved-tensor hook, e.g. a tied head keeps it); it frees the
+embedding during the loss and the head's backward, where the logits peak.
 """
 
 from __future__ import annotations
@@ -99,6 +105,16 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.handle = None  # the all-gather in flight
         self.gathered = False
+        self.trimmed = False  # gathered, but the storage cut to its first `tail` elements
+        self.tail = numel  # embedding weights (root only) start here; numel: none
+
+    def trim(self) -> None:
+        """Drop the buffer's tail (embedding weights no backward reads): shrink the storage."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self.full.untyped_storage().resize_(self.tail * self.itemsize)
+        self.trimmed = True
 
     def grads(self) -> torch.Tensor:
         if self.grad_shard is None:
@@ -111,6 +127,7 @@ class Unit:
             self.handle = None
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+        self.trimmed = False
 
 
 class FullyShardedDataParallel:
@@ -131,6 +148,16 @@ class FullyShardedDataParallel:
         self._unit_of: dict[int, Unit] = {}
         self._slot_of: dict[int, Slot] = {}
         groups = choose_units(module, policy)
+        # The root's embedding weights (not shared with another module) go last: see `Unit.trim`.
+        owners: dict[int, list[nn.Module]] = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(sub)
+        tail_ids = {pid for pid, mods in owners.items() if len(mods) == 1 and type(mods[0]) is nn.Embedding}
+        if groups and groups[0][1]:
+            root_params = groups[0][1]
+            groups[0] = (groups[0][0], [x for x in root_params if id(x[1]) not in tail_ids]
+                         + [x for x in root_params if id(x[1]) in tail_ids])
         for name, params in groups:
             if not params:
                 continue
@@ -146,6 +173,11 @@ class FullyShardedDataParallel:
                 self._unit_of[id(s.param)] = unit
                 self._slot_of[id(s.param)] = s
         self.root = self.units[0] if groups[0][1] else None
+        if self.root is not None:
+            tail = [s.start for s in self.root.slots if id(s.param) in tail_ids]
+            self.root.tail = min(tail) if tail else self.root.slots[-1].end
+        self._tail_used = False  # this forward saved part of the root's tail for backward
+        self._saved_hooks = None  # the saved-tensor hooks context during the root's forward
         # Gradients complete in reverse forward order, the root (holding the embedding) last.
         backward_order = [u for u in reversed(self.units) if u is not self.root] + ([self.root] if self.root else [])
         self._backward_order = backward_order
@@ -163,6 +195,9 @@ class FullyShardedDataParallel:
             owner = module if unit is self.root else module.get_submodule(unit.name)
             self._hooks.append(owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u)))
             self._hooks.append(owner.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out)))
+            if unit is self.root:  # always_call: pop the saved-tensor hooks even if forward raises
+                self._hooks.append(owner.register_forward_hook(lambda m, a, out: self._end_tail_check(),
+                                                               always_call=True))
             for s in unit.slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)))
         if self.root is None:  # still need the end-of-forward bookkeeping for evaluation
@@ -189,7 +224,11 @@ class FullyShardedDataParallel:
             unit.handle = None
 
     def _pre_forward(self, unit: Unit) -> None:
+        if unit.trimmed:  # a second forward before the backward: needs the embedding again
+            unit.free()
         self._gather(unit)
+        if unit is self.root:
+            self._begin_tail_check()
         nxt = self._forward_next.get(id(unit))
         if self.forward_prefetch and nxt is not None:
             self._gather(nxt, wait=False)
@@ -206,10 +245,46 @@ class FullyShardedDataParallel:
             return output
         if unit is not self.root and self.reshard_after_forward:
             unit.free()
+        if unit is self.root and self.reshard_after_forward and self._saved_hooks is not None \
+                and not self._tail_used and unit.tail < unit.padded:
+            unit.trim()
         for t in (output if isinstance(output, (tuple, list)) else (output,)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda grad, u=unit: self._pre_backward(u))
         return output
+
+    def _begin_tail_check(self) -> None:
+        """Watch what the forward saves for backward: does anything alias the root's tail?
+        Only where no other saved-tensor hooks are active (they would be overridden): else the
+        tail is simply kept."""
+        self._tail_used = False
+        root = self.root
+        if (not torch.is_grad_enabled() or not self.reshard_after_forward or root.tail >= root.padded
+                or self._saved_hooks is not None or torch._C._autograd._top_saved_tensors_default_hooks(False)
+                is not None or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
+            return
+        storage = root.full.untyped_storage()
+        ptr, tail_byte = storage.data_ptr(), root.tail * root.itemsize
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not self._tail_used and t.device == root.full.device and t.numel() > 0:
+                try:
+                    same = t.untyped_storage().data_ptr() == ptr
+                except (RuntimeError, NotImplementedError):
+                    same = False
+                if same:
+                    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+                    if (t.storage_offset() + extent) * t.element_size() > tail_byte:
+                        self._tail_used = True
+            return t
+
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._saved_hooks.__enter__()
+
+    def _end_tail_check(self) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_end()
