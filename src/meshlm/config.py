@@ -48,7 +48,7 @@ class ModelConfig:
 class TrainConfig:
     steps: int = 300
     seq_len: int = 128
-    micro_batch_size: int = 4  # 4 micro-batches per step on one rank; divides evenly for dp = 1, 2, 4
+    micro_batch_size: int = 8  # 2 micro-batches per step on one rank, 1 per rank at dp=2
     global_batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -61,7 +61,7 @@ class TrainConfig:
     dtype: str = "float32"
     recompute: str = "none"
     eval_interval: int = 100
-    eval_batches: int = 16  # of micro_batch_size sequences each, from the held-out split
+    eval_batches: int = 8  # of micro_batch_size sequences each, from the held-out split
     log_interval: int = 10
     # Peak dense TFLOP/s of one device for MFU; None = look the device up in a table.
     peak_tflops: float | None = None
