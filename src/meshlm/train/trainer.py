@@ -84,7 +84,8 @@ class Trainer:
         model = Llama(self.cfg.model)
         init_weights(model, self.cfg.run.seed)
         model.to(self.device)
-        # Parallelism is applied here, in DESIGN.md's fixed order; so far: TP/SP, recompute, then DP.
+        # Parallelism is applied here, in DESIGN.md's fixed order: TP/SP -> (CP: not yet) -> recompute
+        # -> PP split; DP/ZeRO/FSDP wraps the result in __init__.
         # TP keeps this rank's slices of the full init; None at tp=1. Sharded logits need its loss.
         self.tp = apply_tensor_parallel(model, self.comm, self.cfg.parallel.sp)
         self.loss_sum = self.tp.loss_sum if self.tp else token_loss_sum
