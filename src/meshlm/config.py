@@ -252,10 +252,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(layout == world_size,
              f"parallel: dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {layout} does not equal the world size {world_size}")
     # parallel.pp_microbatches (pipelines only) sets the micro-batch count; the size follows from it.
-    per_step = p.dp if p.pp > 1 and p.pp_microbatches else t.micro_batch_size * p.dp
-    _require(t.global_batch_size % per_step == 0,
-             f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-             f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
+    if p.pp > 1 and p.pp_microbatches:  # the micro-batch size then follows from the count
+        _require(t.global_batch_size % p.dp == 0,
+                 f"train.global_batch_size: {t.global_batch_size} is not divisible by dp = {p.dp}")
+    else:
+        _require(t.global_batch_size % (t.micro_batch_size * p.dp) == 0,
+                 f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+                 f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp}")
     from meshlm.mesh import check_layout  # the checks that need model and layout together
 
     check_layout(cfg, world_size)

@@ -18,7 +18,7 @@ collective) and `model_state_bytes()` (what this rank holds, by kind) for tests 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -75,14 +75,6 @@ def global_grad_norm(local_squares: torch.Tensor, comm: Comm, dp_sharded: bool =
     for axis in ("tp", "pp", *((GRAD_REDUCE_AXES,) if dp_sharded else ())):
         comm.all_reduce(squares, axis)
     return squares.sqrt()
-
-
-def local_grad_squares(params: Iterable[nn.Parameter], ctx) -> torch.Tensor:
-    squares = torch.zeros((), dtype=torch.float32, device=ctx.device)
-    for p in params:
-        if p.grad is not None and counts_toward_norm(p, ctx):
-            squares += p.grad.detach().float().pow(2).sum()
-    return squares
 
 
 def precision_for(cfg: Config):

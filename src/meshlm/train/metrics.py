@@ -23,7 +23,7 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     logger.propagate = False
     if not logger.handlers:
         handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="w")
-        handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(message)s".replace("%(rank)s", str(rank))))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(message)s"))
         logger.addHandler(handler)
     return logger
 

@@ -56,14 +56,10 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu"):
     from meshlm.train.tokenizer import load_tokenizer
 
     model_dir = find_model_dir(path)
-    cfg = resolve(load_config(str(model_dir / CONFIG)), world_size=_saved_world_size(model_dir))
+    cfg = load_config(str(model_dir / CONFIG))
+    p = cfg.parallel  # the saved config is resolved for the layout it trained with
+    cfg = resolve(cfg, world_size=p.dp * p.tp * p.cp * p.pp)
     model = Llama(cfg.model)
     load_model(model, str(model_dir / WEIGHTS))
     model.to(device).eval()
     return model, load_tokenizer(model_dir / TOKENIZER), cfg
-
-
-def _saved_world_size(model_dir: Path) -> int:
-    cfg = load_config(str(model_dir / CONFIG))
-    p = cfg.parallel
-    return max(1, p.dp) * p.tp * p.cp * p.pp

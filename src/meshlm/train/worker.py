@@ -12,16 +12,10 @@ import torch
 import torch.distributed as dist
 
 from meshlm.config import Config, load_config, resolve
-from meshlm.mesh import ParallelContext
+from meshlm.mesh import ParallelContext, default_backend, default_device
 from meshlm.train.data import prepare_data
 from meshlm.train.trainer import Trainer
 from meshlm.train.weights import save_final
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def train_rank(cfg: Config) -> list[dict]:
@@ -46,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = resolve(load_config(args.config), world_size=world_size)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    device = default_device()
+    backend = default_backend()
+    device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
+    dist.init_process_group(backend)
     try:
         train_rank(cfg)
     finally:
