@@ -104,6 +104,16 @@ def test_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, pp, 
     assert metrics["pp_step_s"] > 0
 
 
+@pytest.mark.parametrize("extra", [["train.recompute=full"], ["train.recompute=selective"],
+                                   ["parallel.pp_defer_wgrad=false"]])
+def test_pipeline_with_recompute_or_plain_backward_equals_single_process(corpus, tmp_path, tmp_path_factory, extra):
+    """Deferred weight gradients (on by default) under recomputation, whose forward replays inside
+    the backward, and the plain backward they replace."""
+    ref = reference(corpus, tmp_path_factory)
+    extra = ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", *extra]
+    assert_matches(ref, run_ranks(_rank, 2, corpus, tmp_path, 2, extra, timeout=180))
+
+
 @pytest.mark.parametrize("kind,virtual", SCHEDULES)
 def test_data_parallel_times_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, kind, virtual):
     ref = reference(corpus, tmp_path_factory)
@@ -191,11 +201,11 @@ def _against_torch_pipelining():
     tokens = torch.randint(0, 512, (8, 17), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     diffs = {}
-    for kind, v in (("1f1b", 1), ("interleaved", 2)):
+    for kind, v, defer in (("1f1b", 1, False), ("1f1b", 1, True), ("interleaved", 2, True)):
         cfg = resolve(load_config(None, [*MODEL, "model.n_layers=4", "train.seq_len=16", "parallel.pp=2",
                                          f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={v}"]), world_size=2)
         ours, _ = build_stage(cfg, 2, rank, v, ctx.device)
-        PipelineEngine(ours, PipelineP2P(Comm(ctx))).run(
+        PipelineEngine(ours, PipelineP2P(Comm(ctx)), defer_weight_grads=defer).run(
             build_schedule(kind, 2, m, v)[rank], list(zip(inputs.chunk(m), targets.chunk(m))),
             loss_fn=token_loss_sum, loss_divisor=float(targets.numel()))
         theirs, _ = build_stage(cfg, 2, rank, v, ctx.device)
@@ -205,11 +215,11 @@ def _against_torch_pipelining():
             Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
         schedule.step(inputs, return_outputs=False) if rank == 0 else schedule.step(target=targets)
         mine = dict(ours.named_parameters())
-        diffs[kind] = max((mine[n].grad - p.grad).abs().max().item() for n, p in theirs.named_parameters())
+        diffs[kind, defer] = max((mine[n].grad - p.grad).abs().max().item() for n, p in theirs.named_parameters())
         dist.barrier()
     return diffs
 
 
 def test_gradients_equal_torch_pipelinings_for_the_same_stages_and_schedule():
     for rank_diffs in run_ranks(_against_torch_pipelining, 2, timeout=120):
-        assert rank_diffs["1f1b"] <= 1e-6 and rank_diffs["interleaved"] <= 1e-6
+        assert len(rank_diffs) == 3 and all(diff <= 1e-6 for diff in rank_diffs.values()), rank_diffs

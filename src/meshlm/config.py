@@ -80,6 +80,10 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = global batch / (dp * micro-batch)
     pp_virtual: int = 1
+    # Pipeline stages send their input gradient before computing weight gradients (the B/W split,
+    # parallel/pipeline/deferred_wgrad.py). Applies with zero 0 and 1; ZeRO-2/3 reduce within each
+    # backward pass and so keep the plain backward.
+    pp_defer_wgrad: bool = True
 
 
 @dataclass

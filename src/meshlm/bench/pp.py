@@ -107,7 +107,7 @@ def _bench_rank(a: dict) -> list[dict]:
 
         # meshlm: the engine on this rank's stage, messages through the traced Comm.
         stage, opt = build_stage(cfg, pp, rank, v, device)
-        engine = PipelineEngine(stage, PipelineP2P(comm))
+        engine = PipelineEngine(stage, PipelineP2P(comm), defer_weight_grads=a["defer_wgrad"])
         program = build_schedule(kind, pp, m, v)[rank]
 
         def meshlm_step(i):
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false",
+                        help="meshlm without deferred weight gradients (parallel.pp_defer_wgrad=false)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

@@ -16,6 +16,13 @@ How it runs the list (the simulator models exactly this):
   or at reduce_grads. On gloo sends and receives go out as two batches so a receive never waits
   for a send to a busy neighbour; NCCL needs one group (it serialises separate calls on a stream,
   and two ranks each waiting on a receive queued before its send would hang).
+- deferred weight gradients (`defer_weight_grads=True`, see deferred_wgrad.py): each chunk's
+  last backward, when the chunk sends a gradient, computes only what the send needs. That
+  backward is the drain's critical path: the previous stage waits on it, then the step ends. Its
+  weight gradients follow once the send is posted, before the next op that is not a send or
+  receive, under the same no_sync decision, and count towards that backward's time. The other
+  backwards have a neighbour with slack in steady state, so they keep the plain (cheaper) path.
+  The forward of those micro-batches and their backward (recomputation included) run armed.
 - reduce_grads: the caller's reduction (data-parallel all-reduce, tied-embedding sync); every
   backward but this rank's last ran under the caller's `no_sync`, so DP reduces only once.
 - optimizer_step: the caller's step, or the end of the run if none was given.
@@ -31,10 +38,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from meshlm.parallel.pipeline import deferred_wgrad
 from meshlm.parallel.pipeline.p2p import PipelineP2P, TensorSpec
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD,
                                                 REDUCE_GRADS, SEND_ACT, SEND_GRAD, Instruction, p2p_batches)
 from meshlm.parallel.pipeline.stage import PipelineStageModel
+
+
+WEIGHT_GRADS = "weight_grads"  # a timing record's kind: a flush of deferred weight gradients
 
 
 @dataclass
@@ -77,7 +88,9 @@ class _Clock:
 
 class PipelineEngine:
     def __init__(self, stage: PipelineStageModel, p2p: PipelineP2P, activation_dtype: torch.dtype = torch.float32,
-                 sequence_shards: int = 1):
+                 sequence_shards: int = 1, defer_weight_grads: bool = False):
+        """`defer_weight_grads`: switch the linear layers of every chunk that sends a gradient
+        (all but virtual stage 0) to deferred weight gradients, which this engine flushes."""
         self.stage = stage
         self.p2p = p2p
         # Under sequence parallelism the residual stream between blocks is split along the sequence
@@ -87,6 +100,13 @@ class PipelineEngine:
         self.device = p2p.ctx.device
         self.activation_dtype = activation_dtype
         self.split_sends = p2p.ctx.backend == "gloo"
+        self.weight_grads: deferred_wgrad.WeightGradStore | None = None
+        if defer_weight_grads:
+            self.weight_grads = deferred_wgrad.WeightGradStore()
+            for chunk in range(stage.virtual):
+                if not stage.is_first(chunk):
+                    for module in stage.chunk_modules(chunk):
+                        deferred_wgrad.defer_weight_grads(module, self.weight_grads)
 
     def run(self, program: Sequence[Instruction], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_divisor: float = 1.0,
@@ -102,6 +122,8 @@ class PipelineEngine:
         if microbatches:
             p2p.agree(spec)
         last_backward = max((i for i, ins in enumerate(program) if ins.op == BACKWARD), default=-1)
+        deferred = self._deferred_backwards(program) if self.weight_grads is not None and train else set()
+        armed = self.weight_grads.armed_for if deferred else (lambda arm: contextlib.nullcontext())
         stats = RunStats(torch.zeros((), dtype=torch.float64, device=self.device))
         clock = _Clock(self.device)
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> received activation
@@ -114,19 +136,23 @@ class PipelineEngine:
         start, end = clock.mark(), None
         index = 0
         grad_mode = torch.enable_grad() if train else torch.no_grad()
+        owed_sync: Callable[[], contextlib.AbstractContextManager] | None = None  # weight grads to flush
         with grad_mode:
             for item in p2p_batches(program):
                 if isinstance(item, list):
                     self._post(item, spec, inputs, grads, to_send, recv_handle, sends_in_flight, train)
                     index += len(item)
                     continue
+                if owed_sync is not None:  # the gradient is on its way: now the weight gradients
+                    self._flush_weight_grads(owed_sync, timed, clock)
+                    owed_sync = None
                 ins = item
                 if ins.op == FORWARD:
                     key = (ins.chunk, ins.microbatch)
                     x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key) \
                         if not stage.is_first(ins.chunk) else microbatches[ins.microbatch][0].to(self.device)
                     t0 = clock.mark()
-                    with autocast():
+                    with autocast(), armed(key in deferred):
                         out = stage(x, ins.chunk, seq_len=seq)
                     if stage.is_last(ins.chunk):
                         loss = loss_fn(out, microbatches[ins.microbatch][1].to(self.device))
@@ -148,9 +174,12 @@ class PipelineEngine:
                         self._wait(recv_handle, (RECV_GRAD, *key), timed, clock, grads, key)
                     out = outputs.pop(key)
                     t0 = clock.mark()
-                    with no_sync() if index != last_backward else contextlib.nullcontext():
+                    sync = no_sync if index != last_backward else contextlib.nullcontext
+                    with sync(), armed(key in deferred):  # armed: a recomputed forward must match
                         torch.autograd.backward(out, grad_tensors=grad)
                     timed.append((BACKWARD, t0, clock.mark()))
+                    if key in deferred:
+                        owed_sync = sync
                     x = inputs.pop(key, None)
                     if not stage.is_first(ins.chunk):
                         to_send[(SEND_GRAD, *key)] = x.grad
@@ -166,16 +195,32 @@ class PipelineEngine:
                     if optimizer_step is not None:
                         optimizer_step()
                 index += 1
+            if owed_sync is not None:
+                self._flush_weight_grads(owed_sync, timed, clock)
         for handle in sends_in_flight:  # forward-only programs have no reduce_grads
             handle.wait()
         if end is None:
             end = clock.mark()
         for kind, a, b in timed:
             seconds = clock.seconds(a, b)
-            {FORWARD: stats.forward_s, BACKWARD: stats.backward_s}.get(kind, stats.recv_wait_s).append(seconds)
+            if kind == WEIGHT_GRADS:  # part of the backward that owed them
+                stats.backward_s[-1] += seconds
+            else:
+                {FORWARD: stats.forward_s, BACKWARD: stats.backward_s}.get(kind, stats.recv_wait_s).append(seconds)
         stats.busy_s = sum(stats.forward_s) + sum(stats.backward_s)
         stats.wall_s = clock.seconds(start, end)
         return stats
+
+    def _deferred_backwards(self, program: Sequence[Instruction]) -> set[tuple[int, int]]:
+        """(chunk, micro-batch) of each gradient-sending chunk's last backward in `program`."""
+        last = {ins.chunk: ins.microbatch for ins in program if ins.op == BACKWARD}
+        return {(chunk, mb) for chunk, mb in last.items() if not self.stage.is_first(chunk)}
+
+    def _flush_weight_grads(self, sync: Callable[[], contextlib.AbstractContextManager], timed, clock) -> None:
+        t0 = clock.mark()
+        with sync():
+            self.weight_grads.flush()
+        timed.append((WEIGHT_GRADS, t0, clock.mark()))
 
     def _post(self, batch: list[Instruction], spec: TensorSpec, inputs, grads, to_send, recv_handle,
               sends_in_flight: list, train: bool) -> None:

@@ -47,7 +47,8 @@ class PipelineRunner:
         self.program = self.schedules[self.pp_rank]
         self.p2p = PipelineP2P(comm)
         self.engine = PipelineEngine(stage, self.p2p,
-                                     sequence_shards=comm.ctx.size("tp") if cfg.parallel.sp else 1)
+                                     sequence_shards=comm.ctx.size("tp") if cfg.parallel.sp else 1,
+                                     defer_weight_grads=p.pp_defer_wgrad and p.zero <= 1)
         self.last_stats: RunStats | None = None
         self._eval_programs: dict[int, list] = {}
 

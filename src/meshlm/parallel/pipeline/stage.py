@@ -79,6 +79,15 @@ class PipelineStageModel(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return self.stages[chunk] == self.pp * self.virtual - 1
 
+    def chunk_modules(self, chunk: int) -> list[nn.Module]:
+        """The modules whose parameters chunk `chunk` uses (rope and its tables aside)."""
+        modules = [self.layers[str(i)] for i in self.chunk_layers[chunk]]
+        if self.is_first(chunk):
+            modules.insert(0, self.tok_embeddings)
+        if self.is_last(chunk):
+            modules += [self.norm, self.output]
+        return modules
+
     @property
     def tied_weight(self) -> nn.Parameter | None:
         """The copy of the tied embedding this rank holds (first or last stage), if any."""
