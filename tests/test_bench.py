@@ -34,3 +34,13 @@ def test_bench_pp_json(capsys):
     report = json.loads(capsys.readouterr().out)
     check_rows(report, ["pp2-1f1b"])
     assert report["rows"][0]["loss_max_abs_diff"] == 0  # same stages, same schedule: same losses
+    q1, q3 = report["rows"][0]["tokens_per_s_ratio_quartiles"]
+    assert 0 < q1 <= q3
+    assert "cpu_steal_fraction" in report and "load_average" in report
+
+
+def test_steal_fraction_reads_the_eighth_cpu_column():
+    from meshlm.bench.report import steal_fraction
+
+    assert steal_fraction([10, 0, 5, 80, 0, 0, 0, 5], [40, 0, 10, 100, 0, 0, 0, 30]) == pytest.approx(25 / 80)
+    assert steal_fraction(None, [1] * 8) is None

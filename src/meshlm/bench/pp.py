@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import bench_row, emit, load_average, run_on_ranks
+from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, pin_rank_to_core, run_on_ranks,
+                                 steal_fraction)
 from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -88,6 +89,7 @@ def _bench_rank(a: dict) -> list[dict]:
     pp = dist.get_world_size()
     ctx = ParallelContext(Layout(pp=pp))
     comm, rank, device = Comm(ctx), ctx.rank, ctx.device
+    pin_rank_to_core(rank, device)
     m = a["microbatches"]
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 4096, (a["batch"], a["seq_len"] + 1), generator=gen) for _ in range(4)]
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="rows per step (all micro-batches)")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false",
                         help="meshlm without deferred weight gradients (parallel.pp_defer_wgrad=false)")
@@ -213,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshlm bench pp: error: {e}", flush=True)
         return 2
+    before = cpu_times()
     rows = run_on_ranks(_bench_rank, {**vars(args), "schedules": schedules}, args.nproc)
     if rows is not None:
-        emit(rows, args.json, load_average=load_average())
+        emit(rows, args.json, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
     return 0
 
 

@@ -29,30 +29,52 @@ def bench_row(name: str, world_size: int, reference: str, meshlm_tokens_per_s: l
         "meshlm_tokens_per_s": statistics.median(meshlm_tokens_per_s),
         "reference": reference, "reference_tokens_per_s": statistics.median(reference_tokens_per_s),
         "tokens_per_s_ratio": statistics.median(ratios),
+        # The spread of the paired ratios: a median above 1 means little if its quartiles straddle it.
+        "tokens_per_s_ratio_quartiles": _quartiles(ratios),
         "meshlm_peak_bytes": int(meshlm_peak_bytes), "reference_peak_bytes": int(reference_peak_bytes),
         "memory_ratio": meshlm_peak_bytes / reference_peak_bytes if reference_peak_bytes else None,
         "pairs": len(ratios), **extra,
     }
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     header = f"{'name':<22} {'ws':>3} {'meshlm tok/s':>13} {'reference':<28} {'ref tok/s':>11} {'ratio':>6} " \
-             f"{'meshlm MiB':>11} {'ref MiB':>9} {'mem ratio':>9}"
+             f"{'(quartiles)':>13} {'meshlm MiB':>11} {'ref MiB':>9} {'mem ratio':>9}"
     lines = [header]
     for r in rows:
         mem = "n/a" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}"
+        q1, q3 = r["tokens_per_s_ratio_quartiles"]
         lines.append(f"{r['name']:<22} {r['world_size']:>3} {r['meshlm_tokens_per_s']:>13,.0f} "
                      f"{r['reference']:<28} {r['reference_tokens_per_s']:>11,.0f} {r['tokens_per_s_ratio']:>6.3f} "
+                     f"{f'({q1:.3f}-{q3:.3f})':>13} "
                      f"{r['meshlm_peak_bytes'] / 2**20:>11.1f} {r['reference_peak_bytes'] / 2**20:>9.1f} {mem:>9}")
     return "\n".join(lines)
 
 
 def emit(rows: list[dict[str, Any]], as_json: bool, **extra: Any) -> None:
-    """Print `{"rows": [...], ...}` for --json, else the table."""
+    """Print `{"rows": [...], ...}` for --json, else the table and a line of context (`extra`)."""
     if as_json:
         print(json.dumps({"rows": rows, **extra}, indent=2))
     else:
         print(format_rows(rows))
+        context = ", ".join(f"{k.replace('_', ' ')} {_short(v)}" for k, v in extra.items() if v is not None)
+        if context:
+            print(context)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, (list, tuple)):
+        return "/".join(_short(v) for v in value)
+    return str(value)
 
 
 def run_on_ranks(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int) -> list[dict] | None:
@@ -81,3 +103,31 @@ def run_on_ranks(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int) 
 def load_average() -> list[float] | None:
     """The machine's 1/5/15-minute load: benchmark numbers on a shared machine need it beside them."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def cpu_times() -> list[int] | None:
+    """The machine's cumulative CPU ticks (Linux /proc/stat: user nice system idle iowait irq softirq
+    steal), for `steal_fraction`; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_fraction(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two `cpu_times()`: on a
+    shared virtual machine the noise floor of every timing taken in between."""
+    if before is None or after is None:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    return delta[7] / sum(delta) if sum(delta) else 0.0
+
+
+def pin_rank_to_core(rank: int, device) -> None:
+    """Forked CPU ranks: one core each (when there are enough), so the OS never migrates a rank or
+    stacks two on one core mid-step; both sides of a paired benchmark run under the same pinning."""
+    if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        if rank < len(cores) and "LOCAL_WORLD_SIZE" not in os.environ:
+            os.sched_setaffinity(0, {cores[rank]})

@@ -18,11 +18,12 @@ How it runs the list (the simulator models exactly this):
   and two ranks each waiting on a receive queued before its send would hang).
 - deferred weight gradients (`defer_weight_grads=True`, see deferred_wgrad.py): each chunk's
   last backward, when the chunk sends a gradient, computes only what the send needs. That
-  backward is the drain's critical path: the previous stage waits on it, then the step ends. Its
-  weight gradients follow once the send is posted, before the next op that is not a send or
-  receive, under the same no_sync decision, and count towards that backward's time. The other
-  backwards have a neighbour with slack in steady state, so they keep the plain (cheaper) path.
-  The forward of those micro-batches and their backward (recomputation included) run armed.
+  backward is on the drain's critical path: the previous stage waits on it, then the step ends.
+  Its weight gradients are computed later, where they cost nothing: at the first op whose input
+  has not arrived yet (the rank would wait anyway), else before reduce_grads; under the latest
+  backward's no_sync decision; counted towards their backward's time. The other backwards keep
+  the plain (in Python, cheaper) path: in steady state their neighbour has slack. The forward
+  of those micro-batches and their backward (recomputation included) run armed.
 - reduce_grads: the caller's reduction (data-parallel all-reduce, tied-embedding sync); every
   backward but this rank's last ran under the caller's `no_sync`, so DP reduces only once.
 - optimizer_step: the caller's step, or the end of the run if none was given.
@@ -58,6 +59,9 @@ class RunStats:
     forward_s: list[float] = field(default_factory=list)  # each forward, in order
     backward_s: list[float] = field(default_factory=list)
     recv_wait_s: list[float] = field(default_factory=list)  # each wait for a received batch
+    # (kind, start, end) of every forward, backward, weight-gradient flush and wait, in seconds
+    # from the start of the run: the measured timeline, to set beside the simulator's.
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def idle_s(self) -> float:
@@ -137,16 +141,18 @@ class PipelineEngine:
         index = 0
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         owed_sync: Callable[[], contextlib.AbstractContextManager] | None = None  # weight grads to flush
+        owner = n_backward = 0  # which backward (in order) the owed weight gradients belong to
         with grad_mode:
             for item in p2p_batches(program):
                 if isinstance(item, list):
                     self._post(item, spec, inputs, grads, to_send, recv_handle, sends_in_flight, train)
                     index += len(item)
                     continue
-                if owed_sync is not None:  # the gradient is on its way: now the weight gradients
-                    self._flush_weight_grads(owed_sync, timed, clock)
-                    owed_sync = None
                 ins = item
+                if owed_sync is not None and not self._input_ready(ins, recv_handle):
+                    # The gradient is on its way and this rank would wait now: fill the wait.
+                    self._flush_weight_grads(owed_sync, timed, clock, owner)
+                    owed_sync = None
                 if ins.op == FORWARD:
                     key = (ins.chunk, ins.microbatch)
                     x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key) \
@@ -179,7 +185,10 @@ class PipelineEngine:
                         torch.autograd.backward(out, grad_tensors=grad)
                     timed.append((BACKWARD, t0, clock.mark()))
                     if key in deferred:
-                        owed_sync = sync
+                        # The latest backward's no_sync decision covers all that is owed: the
+                        # rank's last backward makes a flush the last accumulation, so it syncs.
+                        owed_sync, owner = sync, n_backward
+                    n_backward += 1
                     x = inputs.pop(key, None)
                     if not stage.is_first(ins.chunk):
                         to_send[(SEND_GRAD, *key)] = x.grad
@@ -196,17 +205,22 @@ class PipelineEngine:
                         optimizer_step()
                 index += 1
             if owed_sync is not None:
-                self._flush_weight_grads(owed_sync, timed, clock)
+                self._flush_weight_grads(owed_sync, timed, clock, owner)
         for handle in sends_in_flight:  # forward-only programs have no reduce_grads
             handle.wait()
         if end is None:
             end = clock.mark()
+        weight_s = []
         for kind, a, b in timed:
             seconds = clock.seconds(a, b)
-            if kind == WEIGHT_GRADS:  # part of the backward that owed them
-                stats.backward_s[-1] += seconds
+            stats.timeline.append((kind if isinstance(kind, str) else WEIGHT_GRADS, clock.seconds(start, a),
+                                   clock.seconds(start, a) + seconds))
+            if isinstance(kind, tuple):  # (WEIGHT_GRADS, owner): part of the backward that owed them
+                weight_s.append((kind[1], seconds))
             else:
                 {FORWARD: stats.forward_s, BACKWARD: stats.backward_s}.get(kind, stats.recv_wait_s).append(seconds)
+        for owner, seconds in weight_s:
+            stats.backward_s[owner] += seconds
         stats.busy_s = sum(stats.forward_s) + sum(stats.backward_s)
         stats.wall_s = clock.seconds(start, end)
         return stats
@@ -216,11 +230,24 @@ class PipelineEngine:
         last = {ins.chunk: ins.microbatch for ins in program if ins.op == BACKWARD}
         return {(chunk, mb) for chunk, mb in last.items() if not self.stage.is_first(chunk)}
 
-    def _flush_weight_grads(self, sync: Callable[[], contextlib.AbstractContextManager], timed, clock) -> None:
+    @staticmethod
+    def _input_ready(ins: Instruction, recv_handle) -> bool:
+        """Whether compute op `ins` can start at once (its received input, if any, has arrived);
+        False for every other op, so owed weight gradients are flushed before reductions."""
+        if ins.op == FORWARD:
+            handle = recv_handle.get((RECV_ACT, ins.chunk, ins.microbatch))
+        elif ins.op == BACKWARD:
+            handle = recv_handle.get((RECV_GRAD, ins.chunk, ins.microbatch))
+        else:
+            return False
+        return handle is None or handle.is_completed()
+
+    def _flush_weight_grads(self, sync: Callable[[], contextlib.AbstractContextManager], timed, clock,
+                            owner: int) -> None:
         t0 = clock.mark()
         with sync():
             self.weight_grads.flush()
-        timed.append((WEIGHT_GRADS, t0, clock.mark()))
+        timed.append(((WEIGHT_GRADS, owner), t0, clock.mark()))
 
     def _post(self, batch: list[Instruction], spec: TensorSpec, inputs, grads, to_send, recv_handle,
               sends_in_flight: list, train: bool) -> None:
