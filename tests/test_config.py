@@ -45,11 +45,25 @@ def test_dp_is_inferred_from_the_world_size():
     (["train.seq_len=99999"], "train.seq_len"),
     (["parallel.dp=3"], "parallel"),
     (["data.path=/no/such/file"], "data.path"),
+    (["parallel.pp_layers=3,1"], "parallel.pp_layers"),  # pp=1: one stage, two counts
+    (["parallel.pp_layers=four"], "parallel.pp_layers"),
 ])
 def test_bad_values_raise_one_line_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         resolve(load_config(None, overrides))
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_explicit_pipeline_split_must_cover_every_layer_once():
+    base = ["model.n_layers=4", "parallel.pp=2", "train.micro_batch_size=4", "train.global_batch_size=16"]
+    assert resolve(load_config(None, [*base, "parallel.pp_layers=3,1"]), world_size=2).parallel.pp_layers == "3,1"
+    for bad in ("3,2", "5,-1", "4"):
+        with pytest.raises(ConfigError, match="parallel.pp_layers"):
+            resolve(load_config(None, [*base, f"parallel.pp_layers={bad}"]), world_size=2)
+    # Without a split the layers must divide evenly; with one they need not.
+    with pytest.raises(ConfigError, match="parallel.pp_layers"):
+        resolve(load_config(None, [*base, "model.n_layers=3"]), world_size=2)
+    resolve(load_config(None, [*base, "model.n_layers=3", "parallel.pp_layers=2,1"]), world_size=2)
 
 
 def test_bad_toml_file_names_file_and_line(tmp_path):

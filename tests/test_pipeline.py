@@ -3,7 +3,6 @@ every schedule at pp = 2 and 4 with m = 4 and 8, dp=2 x pp=2, tied embeddings ac
 last stage, a stage without parameters under DP, the shape handshake, evaluation, the gathered
 weights, and `meshlm train --nproc 2 parallel.pp=2` through torchrun."""
 
-import functools
 import json
 import os
 import subprocess
@@ -133,11 +132,8 @@ def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_pa
 
 
 def _uneven_rank(corpus, run_dir):
-    import meshlm.parallel.pipeline as pipeline
-
     # Stage 1 of 3 gets no layer at all: it only passes activations and gradients along.
-    pipeline.split_for_rank = functools.partial(pipeline.split_for_rank, layers_per_stage=(2, 0, 1))
-    cfg = make_cfg(corpus, run_dir, 6, "model.n_layers=3", "parallel.dp=2", "parallel.pp=3")
+    cfg = make_cfg(corpus, run_dir, 6, "model.n_layers=3", "parallel.dp=2", "parallel.pp=3", "parallel.pp_layers=2,0,1")
     out = run(cfg)
     out["n_params"] = len(out["params"])
     return out

@@ -80,6 +80,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = global batch / (dp * micro-batch)
     pp_virtual: int = 1
+    # Layers per virtual stage, first to last, e.g. "3,1" (pp=2) to leave the last stage, which
+    # also carries the head and the loss, fewer layers; "" = balanced by layer count.
+    pp_layers: str = ""
     # Pipeline stages send their input gradient before computing weight gradients (the B/W split,
     # parallel/pipeline/deferred_wgrad.py). Applies with zero 0 and 1; ZeRO-2/3 reduce within each
     # backward pass and so keep the plain backward.

@@ -152,6 +152,15 @@ class Layout:
 # --------------------------------------------------------------------------- validation
 
 
+def parse_pp_layers(text: str) -> list[int] | None:
+    """parallel.pp_layers ("3,1") as counts, or None if it is not a list of integers >= 0."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return counts if all(c >= 0 for c in counts) else None
+
+
 def check_layout(cfg: "Config", world_size: int) -> None:
     """Raise ConfigError (one line, naming the key) if the model or batch cannot be split as asked.
 
@@ -182,9 +191,15 @@ def check_layout(cfg: "Config", world_size: int) -> None:
                     f"parallel.tp: model.{key}={value} is not divisible by tp={p.tp}")
     stages = p.pp * p.pp_virtual
     n_layers = model("n_layers")
-    require(n_layers is None or n_layers % stages == 0,
-            f"parallel.pp: model.n_layers={n_layers} is not divisible into pp*pp_virtual = "
-            f"{p.pp}*{p.pp_virtual} = {stages} stages")
+    if p.pp_layers:
+        counts = parse_pp_layers(p.pp_layers)
+        require(counts is not None and len(counts) == stages and (n_layers is None or sum(counts) == n_layers),
+                f"parallel.pp_layers: {p.pp_layers!r} must be pp*pp_virtual = {stages} comma-separated layer counts "
+                f">= 0 summing to model.n_layers={n_layers}")
+    else:
+        require(n_layers is None or n_layers % stages == 0,
+                f"parallel.pp: model.n_layers={n_layers} is not divisible into pp*pp_virtual = "
+                f"{p.pp}*{p.pp_virtual} = {stages} stages (or give parallel.pp_layers)")
     require(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
             f"parallel.pp_virtual: {p.pp_virtual} virtual stages need parallel.pp_schedule=interleaved "
             f"(got {p.pp_schedule!r})")

@@ -120,5 +120,11 @@ def stage_state_shapes(cfg, pp: int, rank: int, virtual: int = 1,
 
 def split_for_rank(model: Llama, cfg, ctx, layers_per_stage: Sequence[int] | None = None) -> PipelineStageModel:
     """The PP split step of `Trainer._build_model`: this rank's stage of `model` (built, initialised
-    and already TP/CP/recompute-transformed as a whole), for parallel.pp and parallel.pp_virtual."""
-    return PipelineStageModel(model, cfg.parallel.pp, ctx.coord("pp"), cfg.parallel.pp_virtual, layers_per_stage)
+    and already TP/CP/recompute-transformed as a whole), for parallel.pp, parallel.pp_virtual and
+    parallel.pp_layers (an explicit split; `layers_per_stage` overrides it)."""
+    from meshlm.mesh import parse_pp_layers
+
+    p = cfg.parallel
+    if layers_per_stage is None and p.pp_layers:
+        layers_per_stage = parse_pp_layers(p.pp_layers)
+    return PipelineStageModel(model, p.pp, ctx.coord("pp"), p.pp_virtual, layers_per_stage)
