@@ -60,6 +60,13 @@ class Handle:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
+    @staticmethod
+    def merge(handles: Sequence["Handle"]) -> "Handle":
+        """One handle for several (of one recorder): waits for all of them."""
+        recorders = [h._recorder for h in handles if h._recorder is not None]
+        return Handle([w for h in handles for w in h._works], [r for h in handles for r in h._records],
+                      recorders[0] if recorders else None)
+
 
 _DONE = Handle((), (), None)  # for async ops on a group of one
 
@@ -219,9 +226,10 @@ class Comm:
         record = self._p2p_record("recv", tensor, src, axis, True)
         return Handle([dist.irecv(tensor, src=src)], [record], self.recorder)
 
-    def batch_isend_irecv(self, ops: Sequence[P2P], axis: str = "world") -> Handle:
+    def batch_isend_irecv(self, ops: Sequence[P2P], axis: str = "world", group=None) -> Handle:
         """Start all sends and receives at once (so a ring of sends cannot deadlock); one handle.
-        Empty tensors are skipped: both sides know the sizes, and there is nothing to move."""
+        Empty tensors are skipped: both sides know the sizes, and there is nothing to move.
+        `group`: the process group to carry them (default: the world's); peers stay global ranks."""
         for o in ops:
             if o.kind not in ("send", "recv"):
                 raise ValueError(f"P2P kind must be 'send' or 'recv', got {o.kind!r}")
@@ -229,7 +237,7 @@ class Comm:
         if not ops:
             return _DONE
         records = [self._p2p_record(o.kind, o.tensor, o.peer, axis, True) for o in ops]
-        p2p = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer) for o in ops]
+        p2p = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer, group) for o in ops]
         return Handle(dist.batch_isend_irecv(p2p), records, self.recorder)
 
     # ---- reading
