@@ -1,7 +1,9 @@
-"""What deferred weight gradients buy: meshlm's pipeline engine with and without them, and torch's
-pipelining, round-robin in one job (every order of the three in turn), on `meshlm bench pp`'s stages.
+"""What one engine change buys: meshlm's pipeline engine with and without it, and torch's pipelining,
+round-robin in one job (every order of the three in turn), on `meshlm bench pp`'s stages.
 
-usage: .venv/bin/python benchmarks/ab_defer_wgrad.py SCHEDULE [ROUNDS]
+usage: .venv/bin/python benchmarks/ab_pp_engine.py SCHEDULE [ROUNDS] [defer|connection]
+  defer (default): the second side has no deferred weight gradients (parallel.pp_defer_wgrad=false)
+  connection:      the second side defers too, but sends both directions on one gloo connection
 Two forked gloo ranks pinned to a core each, tiny preset, seq 128, 16 rows in 8 micro-batches.
 Prints the median step of each side and the median (quartiles) of the per-round speed ratios.
 """
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from meshlm.testing import run_ranks
 
 
-def rank_fn(kind: str, rounds: int) -> dict[str, list[float]]:
+def rank_fn(kind: str, rounds: int, change: str) -> dict[str, list[float]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from meshlm.bench.pp import VIRTUAL, ChunkModule, build_stage
@@ -41,9 +43,12 @@ def rank_fn(kind: str, rounds: int) -> dict[str, list[float]]:
     program = build_schedule(kind, pp, m, v)[ctx.rank]
     comm = Comm(ctx)
 
-    def meshlm_side(defer: bool):
+    def meshlm_side(defer: bool, one_connection: bool = False):
         stage, opt = build_stage(cfg, pp, ctx.rank, v, ctx.device)
-        engine = PipelineEngine(stage, PipelineP2P(comm), defer_weight_grads=defer)
+        p2p = PipelineP2P(comm)
+        if one_connection:
+            p2p._downward = None  # what PipelineP2P does on NCCL: every message on the world group
+        engine = PipelineEngine(stage, p2p, defer_weight_grads=defer)
 
         def step():
             engine.run(program, list(zip(inputs.chunk(m), targets.chunk(m))), loss_fn=token_loss_sum,
@@ -67,7 +72,8 @@ def rank_fn(kind: str, rounds: int) -> dict[str, list[float]]:
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
-    sides = {"deferred": meshlm_side(True), "plain": meshlm_side(False), "torch": torch_side}
+    without = meshlm_side(False) if change == "defer" else meshlm_side(True, one_connection=True)
+    sides = {"meshlm": meshlm_side(True), "without": without, "torch": torch_side}
     orders = list(itertools.permutations(sides))
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(2 + rounds):  # two warm-up rounds
@@ -84,9 +90,11 @@ def rank_fn(kind: str, rounds: int) -> dict[str, list[float]]:
 
 if __name__ == "__main__":
     kind, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 36
-    times = run_ranks(rank_fn, 2, kind, rounds, timeout=3600)[0]
+    change = sys.argv[3] if len(sys.argv) > 3 else "defer"
+    times = run_ranks(rank_fn, 2, kind, rounds, change, timeout=3600)[0]
+    print(f"'without' = meshlm without {'deferred weight gradients' if change == 'defer' else 'a connection per direction'}")
     print(kind, ", ".join(f"{name} {statistics.median(t) * 1e3:.1f} ms" for name, t in times.items()))
-    for fast, slow in (("deferred", "torch"), ("plain", "torch"), ("deferred", "plain")):
+    for fast, slow in (("meshlm", "torch"), ("without", "torch"), ("meshlm", "without")):
         ratios = [b / a for a, b in zip(times[fast], times[slow])]
         q = statistics.quantiles(ratios, n=4)
         print(f"  speed {fast}/{slow}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
