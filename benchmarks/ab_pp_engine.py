@@ -92,7 +92,8 @@ if __name__ == "__main__":
     kind, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 36
     change = sys.argv[3] if len(sys.argv) > 3 else "defer"
     times = run_ranks(rank_fn, 2, kind, rounds, change, timeout=3600)[0]
-    print(f"'without' = meshlm without {'deferred weight gradients' if change == 'defer' else 'a connection per direction'}")
+    missing = "deferred weight gradients" if change == "defer" else "a connection per direction"
+    print(f"'without' = meshlm without {missing}")
     print(kind, ", ".join(f"{name} {statistics.median(t) * 1e3:.1f} ms" for name, t in times.items()))
     for fast, slow in (("meshlm", "torch"), ("without", "torch"), ("meshlm", "without")):
         ratios = [b / a for a, b in zip(times[fast], times[slow])]

@@ -23,7 +23,8 @@ How it runs the list (the simulator models exactly this):
   has not arrived yet (the rank would wait anyway), else before reduce_grads; under the latest
   backward's no_sync decision; counted towards their backward's time. The other backwards keep
   the plain (in Python, cheaper) path: in steady state their neighbour has slack. The forward
-  of those micro-batches and their backward (recomputation included) run armed.
+  of those micro-batches and their backward (recomputation included) run armed. The simulator
+  does not model the split: it times a backward as one op.
 - reduce_grads: the caller's reduction (data-parallel all-reduce, tied-embedding sync); every
   backward but this rank's last ran under the caller's `no_sync`, so DP reduces only once.
 - optimizer_step: the caller's step, or the end of the run if none was given.
