@@ -37,6 +37,24 @@ def test_p2p_latency_and_a_slow_stage_grow_the_bubble():
     assert max(uneven.busy) == uneven.busy[3]
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_deferred_weight_gradients_shorten_the_drain_by_the_last_weight_half(kind):
+    # The last stage is twice as slow (it carries the head), so rank 0 waits on its gradients.
+    slow_last = dict(forward=[1.0, 2.0], backward=[2.0, 4.0])
+    plain = simulate_schedule(kind, 2, 8, costs=OpCosts(**slow_last))
+    deferred = simulate_schedule(kind, 2, 8, costs=OpCosts(**slow_last, weight_fraction=0.5))
+    # Rank 1's last backward sends after its dgrad half: rank 0 starts its last backward half a
+    # backward (2 ticks) earlier, while rank 1 computes the weight half. Same work, 2 ticks less.
+    assert deferred.step_time == plain.step_time - 2
+    assert deferred.busy == plain.busy
+    weights = [s for s in deferred.spans if s.op == "weight"]
+    assert [(s.rank, s.microbatch, s.end - s.start) for s in weights] == [(1, 7, 2.0)]  # rank 0 sends nothing
+    assert not [s for s in plain.spans if s.op == "weight"]
+    # With uniform costs GPipe's rank 0 never waits in the drain: deferral changes nothing there.
+    uniform = simulate_schedule(kind, 2, 8, costs=OpCosts(weight_fraction=0.5)).step_time
+    assert uniform == simulate_schedule(kind, 2, 8).step_time - (1 if kind == "1f1b" else 0)
+
+
 def test_cli_prints_bubble_step_time_and_peak_in_flight(capsys):
     assert main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out

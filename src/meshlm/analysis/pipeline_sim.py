@@ -10,7 +10,10 @@ Semantics (what `meshlm.parallel.pipeline.engine` does): compute ops run back to
 consecutive P2P instructions is one batch, posted without waiting when the rank reaches it; a
 message completes `p2p` after both its send and its receive are posted. A rank waits for a batch's
 receives just before the first op that uses one of them, and for its sends only at the end of the
-step, before reducing gradients (sends="deferred"). With sends="blocking" a rank instead waits at
+step, before reducing gradients (sends="deferred"). With `OpCosts.weight_fraction` > 0 each
+gradient-sending chunk's last backward costs only its input-gradient part; its weight-gradient
+part runs as its own span before the next compute op whose input has not arrived yet, else before
+the gradient reduction (the engine's deferred weight gradients). With sends="blocking" a rank instead waits at
 every batch until all of it has matched, sends included (Megatron's blocking exchanges, and
 NCCL's worst case): the tests use it to show that no schedule can deadlock even then.
 
@@ -35,14 +38,20 @@ class SimulationDeadlock(RuntimeError):
     """No rank can make progress: the message says which ranks wait on which instructions."""
 
 
+WEIGHT = "weight"  # a span of deferred weight gradients
+
+
 @dataclass
 class OpCosts:
     """Time of one forward / backward of one micro-batch through one model chunk, per rank if a
-    sequence; backward None = 2 x forward; p2p = latency of one message."""
+    sequence; backward None = 2 x forward; p2p = latency of one message; weight_fraction = the
+    share of a backward that is weight gradients, deferred where the engine defers them (0: the
+    engine's parallel.pp_defer_wgrad=false)."""
 
     forward: float | Sequence[float] = 1.0
     backward: float | Sequence[float] | None = None
     p2p: float = 0.0
+    weight_fraction: float = 0.0
 
     def of(self, op: str, rank: int) -> float:
         def pick(value):
@@ -139,6 +148,20 @@ def simulate(schedules: list[list[Instruction]], shape: PipelineShape, costs: Op
             return ("grad", ins.microbatch, stage + 1)
         return None
 
+    # Each gradient-sending chunk's last backward defers its weight gradients (engine.py).
+    deferred = [{(c, mb) for c, mb in {i.chunk: i.microbatch for i in schedules[r] if i.op == BACKWARD}.items()
+                 if shape.stage(r, c) > 0} if costs.weight_fraction > 0 else set() for r in range(pp)]
+    owed = [0.0] * pp  # weight-gradient time a rank still has to spend
+    owed_mb = [(-1, 0)] * pp
+
+    def flush(rank: int) -> None:
+        if owed[rank] > 0:
+            mb, chunk = owed_mb[rank]
+            spans.append(Span(rank, clock[rank], clock[rank] + owed[rank], WEIGHT, mb, chunk))
+            clock[rank] += owed[rank]
+            busy[rank] += owed[rank]
+            owed[rank] = 0.0
+
     progress = True
     while progress:
         progress = False
@@ -167,14 +190,21 @@ def simulate(schedules: list[list[Instruction]], shape: PipelineShape, costs: Op
                     if message is not None and sends == "deferred":
                         # Before the first op that uses a received tensor, wait for its batch's receives.
                         done = [matched("recv", m) for m in batch_of[rank][message]]
+                        if any(d is None or d > clock[rank] for d in done):
+                            flush(rank)  # it would wait: owed weight gradients fill the wait
                         if any(d is None for d in done):
                             break
                         clock[rank] = max([clock[rank], *done])
                     cost = costs.of(item.op, rank)
+                    if item.op == BACKWARD and (item.chunk, item.microbatch) in deferred[rank]:
+                        owed[rank] += costs.weight_fraction * cost
+                        owed_mb[rank] = (item.microbatch, item.chunk)
+                        cost -= costs.weight_fraction * cost
                     spans.append(Span(rank, clock[rank], clock[rank] + cost, item.op, item.microbatch, item.chunk))
                     clock[rank] += cost
                     busy[rank] += cost
                 elif item.op == REDUCE_GRADS:
+                    flush(rank)
                     # The engine waits for its outstanding sends here, before touching gradients.
                     done = [matched("send", m) for m in my_sends[rank]]
                     if any(d is None for d in done):
@@ -182,6 +212,8 @@ def simulate(schedules: list[list[Instruction]], shape: PipelineShape, costs: Op
                     clock[rank] = max([clock[rank], *done])
                 pc[rank] += 1
                 progress = True
+    for rank in range(pp):
+        flush(rank)
     stuck = {r: programs[r][pc[r]] for r in range(pp) if pc[r] < len(programs[r])}
     if stuck:
         described = "; ".join(f"rank {r} waits at {[str(i) for i in it] if isinstance(it, list) else str(it)}"
@@ -206,7 +238,7 @@ def simulate_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1, c
 def draw_timeline(result: SimResult, path: str, title: str | None = None, measured_bubble: float | None = None,
                   xlabel: str = "time") -> None:
     """A Gantt chart of the spans, one row per rank (rank 0 on top), as in the GPipe and Megatron
-    papers: forwards blue, backwards green, later chunks in lighter shades, micro-batch in the box.
+    papers: forwards blue, backwards green, deferred weight gradients purple, later chunks in lighter shades, micro-batch in the box.
     The format follows the file name (.png or .svg)."""
     import matplotlib
 
@@ -216,7 +248,7 @@ def draw_timeline(result: SimResult, path: str, title: str | None = None, measur
 
     width = max(6.0, min(18.0, 0.32 * result.step_time / max(1e-12, min(s.end - s.start for s in result.spans))))
     fig, ax = plt.subplots(figsize=(width, 0.55 * result.pp + 1.3))
-    base = {FORWARD: (0.20, 0.45, 0.80), BACKWARD: (0.20, 0.62, 0.30)}
+    base = {FORWARD: (0.20, 0.45, 0.80), BACKWARD: (0.20, 0.62, 0.30), WEIGHT: (0.55, 0.40, 0.70)}
     for s in result.spans:
         shade = 0.45 * s.chunk / max(1, result.virtual - 1) if result.virtual > 1 else 0.0
         color = tuple(c + (1 - c) * shade for c in base[s.op])
@@ -235,6 +267,8 @@ def draw_timeline(result: SimResult, path: str, title: str | None = None, measur
         label += f" (measured {measured_bubble:.1%})"
     ax.set_title(label, fontsize=10)
     handles = [Patch(color=base[FORWARD], label="forward"), Patch(color=base[BACKWARD], label="backward")]
+    if any(s.op == WEIGHT for s in result.spans):
+        handles.append(Patch(color=base[WEIGHT], label="deferred weight gradients"))
     if result.virtual > 1:
         handles.append(Patch(color=(0.75, 0.75, 0.75), label="lighter: later chunk"))
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncols=len(handles), bbox_to_anchor=(1.0, 1.25),
@@ -268,6 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-cost", type=float, default=1.0, help="one forward of one micro-batch through one chunk")
     p.add_argument("--backward-cost", type=float, default=None, help="default: 2 x forward cost")
     p.add_argument("--p2p-cost", type=float, default=0.0, help="latency of one activation/gradient message")
+    p.add_argument("--weight-fraction", type=float, default=0.0,
+                   help="share of a backward that is weight gradients, deferred as the engine defers them "
+                        "(0 = not deferred)")
     p.add_argument("--out", help="draw the timeline to this .png or .svg (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -289,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and not args.out.lower().endswith((".png", ".svg")):
         print("meshlm: error: --out: the file name must end in .png or .svg", file=sys.stderr)
         return 2
-    costs = OpCosts(args.forward_cost, args.backward_cost, args.p2p_cost)
+    if not 0 <= args.weight_fraction < 1:
+        print("meshlm: error: --weight-fraction: must be in [0, 1)", file=sys.stderr)
+        return 2
+    costs = OpCosts(args.forward_cost, args.backward_cost, args.p2p_cost, args.weight_fraction)
     try:
         result = simulate_schedule(args.schedule, args.pp, args.microbatches, args.virtual, costs)
     except ScheduleError as e:
@@ -306,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = result.to_dict()
         out["ideal_bubble_fraction"] = ideal_bubble(args.schedule, args.pp, args.microbatches, args.virtual)
-        out["costs"] = {"forward": costs.forward, "backward": costs.of(BACKWARD, 0), "p2p": costs.p2p}
+        out["costs"] = {"forward": costs.forward, "backward": costs.of(BACKWARD, 0), "p2p": costs.p2p,
+                        "weight_fraction": costs.weight_fraction}
         if args.out:
             out["out"] = args.out
         print(json.dumps(out, indent=2))

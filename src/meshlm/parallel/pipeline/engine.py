@@ -24,7 +24,7 @@ How it runs the list (the simulator models exactly this):
   backward's no_sync decision; counted towards their backward's time. The other backwards keep
   the plain (in Python, cheaper) path: in steady state their neighbour has slack. The forward
   of those micro-batches and their backward (recomputation included) run armed. The simulator
-  does not model the split: it times a backward as one op.
+  models the same split (OpCosts.weight_fraction; RunStats.weight_s gives the measured share).
 - reduce_grads: the caller's reduction (data-parallel all-reduce, tied-embedding sync); every
   backward but this rank's last ran under the caller's `no_sync`, so DP reduces only once.
 - optimizer_step: the caller's step, or the end of the run if none was given.
@@ -60,6 +60,7 @@ class RunStats:
     forward_s: list[float] = field(default_factory=list)  # each forward, in order
     backward_s: list[float] = field(default_factory=list)
     recv_wait_s: list[float] = field(default_factory=list)  # each wait for a received batch
+    weight_s: list[float] = field(default_factory=list)  # each flush of deferred weight gradients
     # (kind, start, end) of every forward, backward, weight-gradient flush and wait, in seconds
     # from the start of the run: the measured timeline, to set beside the simulator's.
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
@@ -222,6 +223,7 @@ class PipelineEngine:
                 {FORWARD: stats.forward_s, BACKWARD: stats.backward_s}.get(kind, stats.recv_wait_s).append(seconds)
         for owner, seconds in weight_s:
             stats.backward_s[owner] += seconds
+            stats.weight_s.append(seconds)
         stats.busy_s = sum(stats.forward_s) + sum(stats.backward_s)
         stats.wall_s = clock.seconds(start, end)
         return stats

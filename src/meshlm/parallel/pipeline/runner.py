@@ -119,23 +119,28 @@ class PipelineRunner:
     def step_metrics(self) -> dict[str, float]:
         """Measured bubble of the last step beside the simulator's prediction for the same schedule
         on the op costs this step measured (per rank: mean forward and backward per chunk; P2P
-        latency: the shortest receive wait seen). Collective over pp."""
+        latency: the shortest receive wait seen; the deferred weight gradients' mean share of a
+        backward, where the engine defers them). Collective over pp."""
         s = self.last_stats
         if s is None:
             return {}
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
         mine = torch.tensor([s.busy_s, s.wall_s, mean(s.forward_s), mean(s.backward_s),
-                             min(s.recv_wait_s, default=0.0)], dtype=torch.float64, device=self.ctx.device)
+                             min(s.recv_wait_s, default=0.0), mean(s.weight_s) / max(mean(s.backward_s), 1e-12)
+                             if s.weight_s else -1.0], dtype=torch.float64, device=self.ctx.device)
         gathered = torch.empty(self.pp * mine.numel(), dtype=torch.float64, device=self.ctx.device)
         self.comm.all_gather(gathered, mine, "pp")
         rows = gathered.view(self.pp, -1).cpu().tolist()
         step = max(r[1] for r in rows)
         measured = 1.0 - sum(r[0] for r in rows) / (self.pp * step) if step > 0 else 0.0
-        costs = OpCosts(forward=[r[2] for r in rows], backward=[r[3] for r in rows], p2p=min(r[4] for r in rows))
+        shares = [r[5] for r in rows if r[5] >= 0]  # ranks that deferred weight gradients
+        costs = OpCosts(forward=[r[2] for r in rows], backward=[r[3] for r in rows], p2p=min(r[4] for r in rows),
+                        weight_fraction=min(0.9, mean(shares)) if shares else 0.0)
         predicted = simulate(self.schedules, self.shape, costs, kind=self.kind)
         return {"pp_bubble_measured": measured, "pp_bubble_predicted": predicted.bubble_fraction,
                 "pp_step_s": step, "pp_step_predicted_s": predicted.step_time,
-                "pp_op_costs_s": {"forward": costs.forward, "backward": costs.backward, "p2p": costs.p2p}}
+                "pp_op_costs_s": {"forward": costs.forward, "backward": costs.backward, "p2p": costs.p2p,
+                                  "weight_fraction": costs.weight_fraction}}
 
     # ------------------------------------------------------------------ weights
 
