@@ -163,10 +163,13 @@ def test_stages_that_disagree_on_activation_shapes_fail_clearly_instead_of_hangi
     assert "expects activations of [2, 16, 32] float32 but pipeline rank 1 expects [2, 16, 48]" in str(e.value)
 
 
-def test_meshlm_train_with_pp_follows_the_single_process_loss_curve(corpus, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("kind,virtual", SCHEDULES)
+def test_meshlm_train_with_pp_follows_the_single_process_loss_curve(corpus, tmp_path, tmp_path_factory, kind,
+                                                                     virtual):
     ref = reference(corpus, tmp_path_factory, "train.steps=4")  # 1 + 3 steps; the LR schedule spans 4
     proc = subprocess.run(
-        [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+        [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", "parallel.pp=2", f"parallel.pp_schedule={kind}",
+         f"parallel.pp_virtual={virtual}",
          *MODEL, f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}", "train.seq_len=16",
          "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2", "train.steps=4",
          "train.lr=1e-3", "train.eval_interval=3", "train.eval_batches=2", "run.sample_tokens=4",
