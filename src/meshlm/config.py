@@ -67,6 +67,8 @@ class TrainConfig:
     peak_tflops: float | None = None
     # Count live tensor bytes on CPU (a dispatch-mode tracker; costs some step time).
     track_memory: bool = True
+    # CPU runs: glibc malloc keeps freed memory for the next step (train/host_memory.py).
+    keep_host_memory: bool = True
 
 
 @dataclass

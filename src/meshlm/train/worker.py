@@ -14,6 +14,7 @@ import torch.distributed as dist
 from meshlm.config import Config, load_config, resolve
 from meshlm.mesh import ParallelContext, default_backend, default_device
 from meshlm.train.data import prepare_data
+from meshlm.train.host_memory import keep_freed_host_memory
 from meshlm.train.trainer import Trainer
 from meshlm.train.weights import save_final
 
@@ -21,6 +22,8 @@ from meshlm.train.weights import save_final
 def train_rank(cfg: Config) -> list[dict]:
     """Train on this rank (process group, if any, already initialised); rank 0 saves the result."""
     ctx = ParallelContext.from_config(cfg.parallel)
+    if ctx.device.type == "cpu" and cfg.train.keep_host_memory:
+        keep_freed_host_memory()
     # The launcher prepared the data before starting ranks, so this is a cache hit.
     data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda *a, **k: None)
     trainer = Trainer(cfg, ctx, data)
