@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import bench_row, emit, load_average, run_on_ranks
+from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
 from meshlm.train.memtrack import measure_peak_bytes
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
@@ -162,6 +162,7 @@ def _bench_rank(opts) -> list[dict]:
     ctx = ParallelContext(Layout(dp=dist.get_world_size()))
     comm = Comm(ctx)
     device = ctx.device
+    pin_rank_to_core(ctx.rank, device)
     rows = []
     n_params = sum(p.numel() for p in _model(opts, "cpu")[0].parameters())
     for zero in opts.zero:
@@ -232,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ and opts.nproc < 2:
         print("meshlm bench dp: --nproc must be >= 2 (data parallelism needs ranks)", file=sys.stderr)
         return 2
-    rows = run_on_ranks(_bench_rank, opts, opts.nproc)
-    if rows is not None:
-        emit(rows, opts.json, bench="dp", load_average=load_average())
+    run_and_emit(_bench_rank, opts, opts.nproc, opts.json, bench="dp")
     return 0
 
 

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, pin_rank_to_core, run_on_ranks,
-                                 steal_fraction)
+from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
 from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -215,10 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"meshlm bench pp: error: {e}", flush=True)
         return 2
-    before = cpu_times()
-    rows = run_on_ranks(_bench_rank, {**vars(args), "schedules": schedules}, args.nproc)
-    if rows is not None:
-        emit(rows, args.json, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
+    run_and_emit(_bench_rank, {**vars(args), "schedules": schedules}, args.nproc, args.json)
     return 0
 
 

@@ -100,6 +100,15 @@ def run_on_ranks(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int) 
     return run_ranks(rank_fn, nproc, params, timeout=3600)[0]
 
 
+def run_and_emit(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int, as_json: bool, **extra: Any) -> None:
+    """`run_on_ranks`, then `emit` rank 0's rows with the machine's load and the CPU steal while
+    the ranks ran: the context without which a ratio on a shared machine cannot be read."""
+    before = cpu_times()
+    rows = run_on_ranks(rank_fn, params, nproc)
+    if rows is not None:
+        emit(rows, as_json, **extra, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
+
+
 def load_average() -> list[float] | None:
     """The machine's 1/5/15-minute load: benchmark numbers on a shared machine need it beside them."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None

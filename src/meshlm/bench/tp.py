@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, emit, load_average, run_on_ranks
+from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
 from meshlm.train.memtrack import measure_peak_bytes
 
 IGNORE_INDEX = -100
@@ -104,6 +104,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
     world = dist.get_world_size()
     ctx = ParallelContext(Layout(tp=world))
     comm = Comm(ctx)
+    pin_rank_to_core(ctx.rank, ctx.device)
     mesh = init_device_mesh(ctx.device.type, (world,))
     cfg = resolve(load_config(None, [f"model.preset={a.preset}", "model.tie_embeddings=false",
                                      f"train.seq_len={a.seq_len}", f"parallel.tp={world}"]), world_size=world).model
@@ -185,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshlm bench tp: error: {e}", flush=True)
         return 2
     params = {**vars(args), "sp_modes": {"both": [False, True], "on": [True], "off": [False]}[args.sp]}
-    rows = run_on_ranks(_bench_rank, params, args.nproc)
-    if rows is not None:
-        emit(rows, args.json, load_average=load_average())
+    run_and_emit(_bench_rank, params, args.nproc, args.json)
     return 0
 
 
