@@ -61,9 +61,6 @@ class RunStats:
     backward_s: list[float] = field(default_factory=list)
     recv_wait_s: list[float] = field(default_factory=list)  # each wait for a received batch
     weight_s: list[float] = field(default_factory=list)  # each flush of deferred weight gradients
-    # (kind, start, end) of every forward, backward, weight-gradient flush and wait, in seconds
-    # from the start of the run: the measured timeline, to set beside the simulator's.
-    timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def idle_s(self) -> float:
@@ -129,7 +126,8 @@ class PipelineEngine:
             p2p.agree(spec)
         last_backward = max((i for i, ins in enumerate(program) if ins.op == BACKWARD), default=-1)
         deferred = self._deferred_backwards(program) if self.weight_grads is not None and train else set()
-        armed = self.weight_grads.armed_for if deferred else (lambda arm: contextlib.nullcontext())
+        def armed(key):  # forwards and backwards of deferred micro-batches take the deferring path
+            return self.weight_grads.armed_for() if key in deferred else contextlib.nullcontext()
         stats = RunStats(torch.zeros((), dtype=torch.float64, device=self.device))
         clock = _Clock(self.device)
         inputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> received activation
@@ -160,7 +158,7 @@ class PipelineEngine:
                     x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key) \
                         if not stage.is_first(ins.chunk) else microbatches[ins.microbatch][0].to(self.device)
                     t0 = clock.mark()
-                    with autocast(), armed(key in deferred):
+                    with autocast(), armed(key):
                         out = stage(x, ins.chunk, seq_len=seq)
                     if stage.is_last(ins.chunk):
                         loss = loss_fn(out, microbatches[ins.microbatch][1].to(self.device))
@@ -183,7 +181,7 @@ class PipelineEngine:
                     out = outputs.pop(key)
                     t0 = clock.mark()
                     sync = no_sync if index != last_backward else contextlib.nullcontext
-                    with sync(), armed(key in deferred):  # armed: a recomputed forward must match
+                    with sync(), armed(key):  # armed: a recomputed forward must match
                         torch.autograd.backward(out, grad_tensors=grad)
                     timed.append((BACKWARD, t0, clock.mark()))
                     if key in deferred:
@@ -215,8 +213,6 @@ class PipelineEngine:
         weight_s = []
         for kind, a, b in timed:
             seconds = clock.seconds(a, b)
-            stats.timeline.append((kind if isinstance(kind, str) else WEIGHT_GRADS, clock.seconds(start, a),
-                                   clock.seconds(start, a) + seconds))
             if isinstance(kind, tuple):  # (WEIGHT_GRADS, owner): part of the backward that owed them
                 weight_s.append((kind[1], seconds))
             else:
