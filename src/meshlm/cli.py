@@ -32,6 +32,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node: also --rdzv-endpoint)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index in 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (node 0) for multi-node runs")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts the ranks this many times after a failure; each restart resumes "
+                        "from the newest checkpoint")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=50 parallel.dp=2")
 
 
@@ -42,10 +45,15 @@ def cmd_train(args) -> int:
         return _fail_usage(f"--node-rank: must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return _fail_usage("--rdzv-endpoint: required when --nnodes > 1 (HOST:PORT of node 0)")
+    if args.max_restarts < 0:
+        return _fail_usage(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     world_size = args.nproc * args.nnodes
     cfg = resolve(load_config(args.config, args.overrides), world_size=world_size)
+    from meshlm.train.checkpoint.resume import precheck
     from meshlm.train.data import prepare_data
 
+    # Before any rank starts: a requested checkpoint must be one, and fit this model (exit 2).
+    resume_from = precheck(cfg, warn=lambda msg: print(msg, file=sys.stderr))
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -53,23 +61,47 @@ def cmd_train(args) -> int:
     prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
     print(f"meshlm: {cfg.model.preset} model ({cfg.model.dim}d x {cfg.model.n_layers}L), "
           f"{world_size} rank(s) dp={cfg.parallel.dp}, {cfg.train.steps} steps of "
-          f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}", flush=True)
+          f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}"
+          + (f", resuming from {resume_from}" if resume_from else ""), flush=True)
     t0 = time.perf_counter()
-    if world_size == 1:
+    if world_size == 1 and args.max_restarts == 0:
+        from meshlm.train.checkpoint import CheckpointError
         from meshlm.train.worker import train_rank
 
-        train_rank(cfg)
+        try:
+            train_rank(cfg)
+        except CheckpointError as e:
+            print(f"meshlm: error: {e}", file=sys.stderr)
+            return 1
     else:
         from meshlm.launch import launch
 
         code = launch(args.nproc, "meshlm.train.worker", ["--config", str(run_dir / "config.toml")],
-                      nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-        if code:
+                      nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                      max_restarts=args.max_restarts)
+        if code and not (run_dir / "preempted.json").exists():
             return code
+    preempted = _read_preempted(run_dir)
+    if preempted:
+        print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
+              f"{preempted['checkpoint']}; run the same command again to continue")
+        return 0
     print(f"meshlm: trained in {time.perf_counter() - t0:.0f} s; metrics in {run_dir / 'metrics.jsonl'}")
     if cfg.run.sample_tokens and args.node_rank == 0:
         _print_sample(run_dir, cfg.run.sample_prompt, cfg.run.sample_tokens)
     return 0
+
+
+def _read_preempted(run_dir: Path) -> dict | None:
+    """What the ranks left when a signal stopped them after a checkpoint (train/worker.py)."""
+    import json
+
+    marker = run_dir / "preempted.json"
+    if not marker.exists():
+        return None
+    info = json.loads(marker.read_text())
+    marker.unlink()
+    return info
 
 
 def _print_sample(model_dir: Path, prompt: str, n_tokens: int) -> None:

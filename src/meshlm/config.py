@@ -38,6 +38,9 @@ class ModelConfig:
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
     norm_eps: float = 1e-5
+    # A Hugging Face Llama directory (or a meshlm checkpoint) to start from: weights only, fresh
+    # optimizer and step 0 (fine-tuning); its config.json sets the shape, its tokenizer the data's.
+    init_from: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -96,12 +99,30 @@ class DataConfig:
     path: str | None = None  # a text file or a directory of them; None = the default corpus
     val_fraction: float = 0.01
     cache_dir: str | None = None  # None = $MESHLM_CACHE or ~/.cache/meshlm
+    # A pretrained tokenizer (tokenizer.json, or a directory holding one) instead of training a BPE.
+    tokenizer: str | None = None
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between checkpoints; 0 = only the final weights
-    keep: int = 2
+    # Steps between checkpoints (and one at the end of training); 0 = no checkpoints, only final/.
+    interval: int = 100
+    keep: int = 2  # the newest K complete checkpoints are kept
+    # auto: continue from the newest good checkpoint in run.dir/checkpoints if there is one;
+    # never: start fresh; or a checkpoint directory (or a run directory: its newest) to load.
+    resume: str = "auto"
+    # After SIGTERM/SIGINT a rank saves at the next step boundary; past this many seconds it
+    # exits without saving (torchrun SIGKILLs its workers 30 s after forwarding the signal).
+    stop_timeout_s: float = 25.0
+
+
+@dataclass
+class DebugConfig:
+    # An injected failure, for testing recovery: "kill" = rank `fault_rank` SIGKILLs itself once
+    # step `fault_step` is done, on the first attempt only (a torchrun restart runs clean).
+    fault: str = "none"
+    fault_rank: int = 0
+    fault_step: int = 1
 
 
 @dataclass
@@ -119,6 +140,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -298,6 +320,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
+    _require(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume: must be auto, never or a checkpoint directory")
+    _require(cfg.checkpoint.stop_timeout_s > 0,
+             f"checkpoint.stop_timeout_s: must be > 0, got {cfg.checkpoint.stop_timeout_s}")
+    dbg = cfg.debug
+    _require(dbg.fault in ("none", "kill"), f"debug.fault: must be none or kill, got {dbg.fault!r}")
+    _require(0 <= dbg.fault_rank < world_size, f"debug.fault_rank: must be in 0..{world_size - 1}, got {dbg.fault_rank}")
+    _require(dbg.fault_step >= 1, f"debug.fault_step: must be >= 1, got {dbg.fault_step}")
     _require(cfg.run.sample_tokens >= 0, f"run.sample_tokens: must be >= 0, got {cfg.run.sample_tokens}")
 
 

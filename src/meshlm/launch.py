@@ -12,7 +12,7 @@ import sys
 
 
 def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int = 1, node_rank: int = 0,
-                  rdzv_endpoint: str | None = None, rdzv_id: str = "meshlm") -> list[str]:
+                  rdzv_endpoint: str | None = None, rdzv_id: str = "meshlm", max_restarts: int = 0) -> list[str]:
     """The torchrun command line: standalone on one node, c10d rendezvous across nodes."""
     if nnodes == 1 and not rdzv_endpoint:
         head = ["--standalone", "--nnodes", "1"]
@@ -21,11 +21,17 @@ def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int =
             raise ValueError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
         head = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-    return [*head, "--nproc-per-node", str(nproc), "--module", module, *module_args]
+    return [*head, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--module", module,
+            *module_args]
 
 
 def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
-    """Run `python -m module module_args` on `nproc` ranks per node; returns an exit code."""
+    """Run `python -m module module_args` on `nproc` ranks per node; returns an exit code.
+
+    SIGTERM/SIGINT to this process: torchrun's agent forwards it to the ranks (they save at the
+    next step boundary and exit 0, train/preemption.py) and waits up to 30 s for them; a second
+    Ctrl-C ends the wait and this process, and the ranks die with it (`die_with_parent`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -41,4 +47,7 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
         failures = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
         print(f"meshlm: training failed on {failures}; see the rank logs in the run directory", file=sys.stderr)
         return 1
+    except SignalException as e:
+        print(f"meshlm: {e.sigval.name}: ranks stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,10 @@ class MetricsWriter:
         self._tb = None
         if not active:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():  # kept aside until we know whether this run resumes (resume_at)
+            os.replace(self.path, self.path.with_suffix(".jsonl.old"))
+        self._jsonl = open(self.path, "w", buffering=1)
         if self.stream.isatty():
             from tqdm import tqdm
 
@@ -74,6 +78,21 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         except ImportError:
             self._tb = None
+
+    def resume_at(self, step: int) -> None:
+        """Continue the metrics of a run resumed after `step`: rows up to it are kept, rows past it
+        (logged before a crash, after the checkpoint) dropped, new rows appended: every step once."""
+        if not self.active:
+            return
+        self._jsonl.close()
+        old = self.path.with_suffix(".jsonl.old")
+        kept = []
+        if old.exists():
+            kept = [line for line in old.read_text().splitlines() if line.strip()
+                    and json.loads(line).get("step", 0) <= step]
+        self._jsonl = open(self.path, "w", buffering=1)
+        self._jsonl.writelines(line + "\n" for line in kept)
+        old.unlink(missing_ok=True)
 
     def log_step(self, row: dict[str, Any]) -> None:
         if not self.active:
@@ -101,6 +120,8 @@ class MetricsWriter:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        if self.active:
+            self.path.with_suffix(".jsonl.old").unlink(missing_ok=True)
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:

@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, cfg: Config, ctx, data: PreparedData, metrics: MetricsWriter | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.data = data
         self.comm = Comm(ctx)  # every collective goes through it: traced, summarised at the end
         self.device = ctx.device
         self.run_dir = Path(cfg.run.dir)
@@ -77,6 +78,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops = t.peak_tflops or device_peak_tflops(self.device, t.dtype)
         self.step = 0
+        self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
+        self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
+        self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
 
     # ------------------------------------------------------------------ setup
 
@@ -218,10 +222,48 @@ class Trainer:
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row["eval_loss"] = self.evaluate()
+            stop = self.stop_signals is not None and self.stop_signals.requested(self.comm)
+            if self._checkpoint_due() or stop:
+                row["checkpoint_s"] = self.save_checkpoint().seconds
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
+            self._inject_fault()
+            if stop:
+                self.stopped_by = self.stop_signals.received.name if self.stop_signals.received else "signal"
+                self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); "
+                                   f"checkpoint {self.last_checkpoint.path}")
+                break
         if self.ctx.world_size > 1:
             self.metrics.print(self.comm.format_summary(f"communication on rank {self.ctx.rank} ({cfg.steps} steps)"))
         self.comm.recorder.write(self.run_dir / "logs" / f"comm_rank{self.ctx.rank}.jsonl")
         return rows
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_due(self) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
+
+    def save_checkpoint(self):
+        """Every rank writes its shard of the state at the current step (collective); see
+        train/checkpoint/. Returns the SaveReport (path, seconds blocked, bytes)."""
+        from meshlm.train.checkpoint import save_checkpoint
+        from meshlm.train.metrics import format_bytes
+
+        report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep)
+        self.last_checkpoint = report
+        self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} in {report.seconds:.2f} s")
+        return report
+
+    def _inject_fault(self) -> None:
+        """debug.fault=kill: the chosen rank dies by SIGKILL after the chosen step (first attempt only)."""
+        from meshlm.train.checkpoint.resume import is_restart
+
+        d = self.cfg.debug
+        if d.fault == "kill" and self.ctx.rank == d.fault_rank and self.step == d.fault_step and not is_restart():
+            import os
+            import signal
+
+            self.log.info("debug.fault=kill: SIGKILL to rank %d after step %d", self.ctx.rank, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -5,32 +5,77 @@ and what `meshlm train` runs in-process when the world is a single rank.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from meshlm.config import Config, load_config, resolve
+from meshlm.config import Config, ConfigError, load_config, resolve
 from meshlm.mesh import ParallelContext, default_backend, default_device
+from meshlm.train.checkpoint.store import CheckpointError
 from meshlm.train.data import prepare_data
 from meshlm.train.host_memory import keep_freed_host_memory
 from meshlm.train.trainer import Trainer
 from meshlm.train.weights import save_final
 
 
+PREEMPTED = "preempted.json"  # rank 0 leaves it in run.dir when a signal stopped the run cleanly
+
+
+def start_state(trainer: Trainer) -> None:
+    """Where training starts: a checkpoint (checkpoint.resume), a model to fine-tune
+    (model.init_from), or the seed's initialisation. Collective."""
+    from meshlm.train.checkpoint import load_checkpoint
+    from meshlm.train.checkpoint.resume import choose
+
+    cfg = trainer.cfg
+    path = choose(cfg, trainer.comm, trainer.ctx, warn=lambda m: trainer.metrics.print(f"warning: {m}"))
+    if path is not None:
+        meta = load_checkpoint(trainer, path)
+        trainer.metrics.resume_at(trainer.step)
+        trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
+                              f"{_layout_text(meta['layout'])})")
+    elif cfg.model.init_from:
+        from meshlm.train.checkpoint.hf import init_from
+
+        init_from(trainer, Path(cfg.model.init_from))
+        trainer.metrics.print(f"initialised from {cfg.model.init_from}")
+
+
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero") if k in layout)
+
+
 def train_rank(cfg: Config) -> list[dict]:
-    """Train on this rank (process group, if any, already initialised); rank 0 saves the result."""
+    """Train on this rank (process group, if any, already initialised); rank 0 saves the result.
+    A SIGTERM/SIGINT stops after the current step with a checkpoint (train/preemption.py)."""
+    from meshlm.train.preemption import StopSignals
+
     ctx = ParallelContext.from_config(cfg.parallel)
     if ctx.device.type == "cpu" and cfg.train.keep_host_memory:
         keep_freed_host_memory()
     # The launcher prepared the data before starting ranks, so this is a cache hit.
     data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda *a, **k: None)
-    trainer = Trainer(cfg, ctx, data)
-    rows = trainer.fit()
+    run_dir = Path(cfg.run.dir)
+    if ctx.rank == 0:
+        (run_dir / PREEMPTED).unlink(missing_ok=True)
+    with StopSignals(cfg.checkpoint.stop_timeout_s) as signals:
+        trainer = Trainer(cfg, ctx, data)
+        trainer.stop_signals = signals
+        start_state(trainer)
+        rows = trainer.fit()
+    if trainer.stopped_by is not None:  # not finished: no final weights; the checkpoint is the result
+        if ctx.rank == 0:
+            (run_dir / PREEMPTED).write_text(json.dumps({"step": trainer.step, "signal": trainer.stopped_by,
+                                                         "checkpoint": str(trainer.last_checkpoint.path)}))
+        trainer.metrics.close()
+        return rows
     state = trainer.full_state_dict()  # collective for sharded layouts: every rank takes part
     if ctx.rank == 0:
-        final = save_final(state, cfg, data.tokenizer_path, Path(cfg.run.dir))
+        final = save_final(state, cfg, data.tokenizer_path, run_dir)
         trainer.metrics.print(f"saved final weights to {final}")
     trainer.metrics.close()
     return rows
@@ -40,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshlm.train.worker")
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    from meshlm.train.preemption import die_with_parent
+
+    die_with_parent()  # no rank outlives torchrun's agent, however the agent ends
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = resolve(load_config(args.config), world_size=world_size)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -50,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend)
     try:
         train_rank(cfg)
+    except (CheckpointError, ConfigError) as e:  # a bad checkpoint: one line, not a traceback per rank
+        if dist.get_rank() == 0:
+            print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

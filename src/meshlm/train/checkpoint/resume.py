@@ -1,0 +1,109 @@
+"""Which checkpoint a run continues from: `checkpoint.resume` = auto | never | a path.
+
+Two passes. Before any rank starts, the launcher checks what it can cheaply (the path is a
+checkpoint, its model and data settings fit this config) and exits 2 with one line if not.
+Then the ranks choose together: every rank hashes a share of the candidate's files, and a
+checkpoint with any mismatch is skipped with a warning naming the file (auto) or is an error
+(an explicit path). A torchrun restart after a failure always resumes (`auto`), whatever the
+setting: that is what the restart is for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from meshlm.config import Config, ConfigError
+from meshlm.train.checkpoint.store import (CheckpointError, CheckpointReader, list_checkpoints, newest_good,
+                                           read_manifest, verify)
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / "checkpoints"
+
+
+def is_restart() -> bool:
+    """torchrun restarted this worker group after a failure (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def explicit_candidates(path: Path) -> list[Path]:
+    """A checkpoint directory, or a run directory / its checkpoints/ (then its checkpoints, oldest first)."""
+    for root in (path / "checkpoints", path):
+        found = list_checkpoints(root)
+        if found and not (path / "manifest.json").exists():
+            return found
+    return [path]
+
+
+def check_compatible(path: Path, cfg: Config) -> None:
+    """ConfigError (one line) if checkpoint `path` cannot continue this config's training."""
+    from meshlm.train.checkpoint.state import check_shapes
+
+    reader = CheckpointReader(path)
+    check_shapes(reader, cfg.model)
+    data = reader.meta["data"]
+    for key, ours in (("seed", cfg.run.seed), ("seq_len", cfg.train.seq_len),
+                      ("global_batch_size", cfg.train.global_batch_size)):
+        if data[key] != ours:
+            section = "run" if key == "seed" else "train"
+            raise ConfigError(f"{section}.{key}: {ours}, but checkpoint {path} was trained with {data[key]}; "
+                              f"resuming would not replay the same batches")
+
+
+def precheck(cfg: Config, warn=print) -> Path | None:
+    """The launcher's check (no hashing): the checkpoint a run will most likely continue from,
+    or None. ConfigError if the requested one is not a checkpoint or does not fit the model."""
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        found = list_checkpoints(checkpoint_root(cfg))
+        for path in reversed(found):
+            try:
+                read_manifest(path)
+            except CheckpointError as e:
+                warn(f"meshlm: warning: skipping checkpoint {path.name}: {e}")
+                continue
+            check_compatible(path, cfg)
+            return path
+        return None
+    path = Path(mode)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.resume: {path} does not exist")
+    candidates = explicit_candidates(path)
+    try:
+        read_manifest(candidates[-1])
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.resume: {e}") from None
+    check_compatible(candidates[-1], cfg)
+    return candidates[-1]
+
+
+def _verify_together(path: Path, comm, ctx) -> str | None:
+    """Every rank hashes every world_size-th file; all agree on the verdict. Rank 0 re-checks a
+    bad checkpoint alone to name the file (the rare path)."""
+    problem = verify(path, (ctx.rank, ctx.world_size))
+    bad = torch.tensor([1.0 if problem else 0.0], device=ctx.device)
+    comm.all_reduce(bad, "world", op=torch.distributed.ReduceOp.MAX)
+    if bad.item() == 0:
+        return None
+    return problem or verify(path) or "a file does not match its checksum (found by another rank)"
+
+
+def choose(cfg: Config, comm, ctx, warn) -> Path | None:
+    """The checkpoint every rank loads (collective), or None to start fresh."""
+    mode = "auto" if is_restart() else cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return newest_good(checkpoint_root(cfg), lambda p: _verify_together(p, comm, ctx), warn)
+    candidates = explicit_candidates(Path(mode))
+    if len(candidates) > 1:  # a run directory: its newest good checkpoint
+        return newest_good(candidates[0].parent, lambda p: _verify_together(p, comm, ctx), warn)
+    problem = _verify_together(candidates[0], comm, ctx)
+    if problem:
+        raise CheckpointError(f"checkpoint.resume: {problem}")
+    return candidates[0]

@@ -1,0 +1,222 @@
+"""Saving and loading a Trainer's whole state, each rank writing and reading only what it owns.
+
+What a checkpoint holds, and why exact resume needs each piece:
+- fp32 master weights and AdamW's two moments (`exp_avg`, `exp_avg_sq`) of every element, in
+  single-process coordinates: the next update depends on all three;
+- the step: AdamW's bias correction, the LR schedule (`lr_at(step)` is a pure function of it) and
+  the data position (batch k is a pure function of (seed, k): consumed samples = step x global batch);
+- every rank's RNG states: meshlm's step draws no random numbers today (initialisation is by
+  parameter name, data order by (seed, step)), so they are restored for code that will;
+- the resolved config, the layout, the tokenizer and the meshlm version: to check a resume
+  against the model it continues, to export, and to explain a checkpoint without the run.
+bf16 parameters are not stored: they are the master weights rounded, and are recomputed so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+import meshlm
+from meshlm.config import ConfigError, to_toml
+from meshlm.train.checkpoint.pieces import Placement, Piece, canonical_shapes, placements, segment_pieces
+from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, clear_stale_temporaries, finalize,
+                                           rank_file, rotate, step_dir_name, write_bytes_synced)
+
+KINDS = ("model", "exp_avg", "exp_avg_sq")  # the fp32 master weights and AdamW's moments
+OPTIMIZER_KINDS = KINDS[1:]
+
+
+@dataclass
+class SaveReport:
+    path: Path
+    seconds: float  # training was blocked this long
+    bytes: int  # all ranks' files together
+
+
+def _segments(dp) -> list:
+    optim = getattr(dp, "optim", None)  # a pipeline stage without parameters has none
+    return optim.segments if optim is not None else []
+
+
+def owned_pieces(trainer) -> list[tuple[object, Placement, list[Piece]]]:
+    """(MasterSegment, its Placement, its pieces) for everything this rank's optimizer updates."""
+    shapes = canonical_shapes(trainer.cfg.model)
+    where = placements(trainer.dp.module, trainer.ctx, shapes, getattr(trainer.dp, "dp_sharded", False))
+    out = []
+    for seg in _segments(trainer.dp):
+        placement = where[id(seg.param)]
+        out.append((seg, placement, segment_pieces(placement, seg.segment.p_lo, seg.segment.p_hi)))
+    return out
+
+
+def _kind_data(optimizer, seg, kind: str) -> torch.Tensor | None:
+    if kind == "model":
+        return seg.master
+    state = optimizer.state.get(seg.master)
+    return None if state is None else state.get(kind)
+
+
+def layout_of(cfg, world_size: int) -> dict:
+    p = cfg.parallel
+    return {"world_size": world_size, "dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "zero": p.zero, "sp": p.sp,
+            "pp_schedule": p.pp_schedule, "pp_virtual": p.pp_virtual, "pp_layers": p.pp_layers,
+            "dtype": cfg.train.dtype}
+
+
+def _meta(trainer, shapes) -> dict:
+    from meshlm.train.optim import lr_at
+
+    cfg = trainer.cfg
+    return {"step": trainer.step, "optimizer_step": trainer.step, "next_lr": lr_at(trainer.step, cfg.train),
+            "data": trainer.loader.state_dict(), "seed": cfg.run.seed,
+            "layout": layout_of(cfg, trainer.ctx.world_size), "model": dataclasses.asdict(cfg.model),
+            "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
+            "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _rank_payload(trainer) -> tuple[dict[str, torch.Tensor], list]:
+    """This rank's tensors (the pieces it writes, its RNG states) and their index."""
+    tensors, index = {}, []
+    optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
+    for seg, placement, pieces in owned_pieces(trainer):
+        if not placement.written_here:
+            continue
+        for kind in KINDS:
+            data = _kind_data(optimizer, seg, kind)
+            for piece in pieces:
+                key = f"{kind}/{piece.name}/{piece.rect.row},{piece.rect.col}"
+                value = piece.view(data) if data is not None else torch.zeros(piece.rect.rows, piece.rect.cols)
+                tensors[key] = value.detach().to("cpu", torch.float32).contiguous().clone()
+                index.append([key, kind, piece.name, piece.rect.row, piece.rect.col, piece.rect.rows, piece.rect.cols])
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if trainer.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
+    return tensors, index
+
+
+def save_checkpoint(trainer, root: Path, keep: int) -> SaveReport:
+    """Write the trainer's state at its current step into `root/step_NNNNNNN/` (collective).
+    Every rank writes its own file; rank 0 writes the rest and, last, the manifest."""
+    t0 = time.perf_counter()
+    ctx, comm, step = trainer.ctx, trainer.comm, trainer.step
+    tmp, final = root / f".tmp_{step_dir_name(step)}", root / step_dir_name(step)
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        clear_stale_temporaries(root)
+        tmp.mkdir()
+    comm.barrier()
+    tensors, index = _rank_payload(trainer)
+    metadata = {"pieces": json.dumps(index), "rank": str(ctx.rank), "coords": json.dumps(ctx.coords)}
+    entries = {rank_file(ctx.rank): write_bytes_synced(tmp / rank_file(ctx.rank),
+                                                       safetensors_bytes(tensors, metadata))}
+    if ctx.rank == 0:
+        shapes = canonical_shapes(trainer.cfg.model)
+        entries[META] = write_bytes_synced(tmp / META, json.dumps(_meta(trainer, shapes), indent=1).encode())
+        entries["config.toml"] = write_bytes_synced(tmp / "config.toml", to_toml(trainer.cfg).encode())
+        tokenizer = Path(trainer.data.tokenizer_path).read_bytes()
+        entries["tokenizer.json"] = write_bytes_synced(tmp / "tokenizer.json", tokenizer)
+    # The ranks' manifest entries reach rank 0 through the (shared) checkpoint directory.
+    write_bytes_synced(tmp / f"rank{ctx.rank:05d}.entries.json", json.dumps(entries).encode())
+    comm.barrier()
+    if ctx.rank == 0:
+        everything = {}
+        for r in range(ctx.world_size):
+            part = tmp / f"rank{r:05d}.entries.json"
+            everything.update(json.loads(part.read_text()))
+            part.unlink()
+        finalize(tmp, final, everything, step)
+        rotate(root, keep)
+        total = sum(e["bytes"] for e in everything.values())
+    else:
+        total = 0
+    comm.barrier()  # every rank returns once the checkpoint is in place
+    bytes_total = torch.tensor([float(total)], dtype=torch.float64, device=trainer.device)
+    comm.all_reduce(bytes_total, "world")
+    return SaveReport(final, time.perf_counter() - t0, int(bytes_total.item()))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def check_shapes(reader: CheckpointReader, model_cfg) -> None:
+    """ConfigError naming the first tensor whose stored shape does not fit this model."""
+    expected = canonical_shapes(model_cfg)
+    for name, shape in expected.items():
+        stored = reader.shapes.get(name)
+        if stored is None:
+            raise ConfigError(f"{reader.path}: the checkpoint has no tensor {name} (shape {list(shape)}); "
+                              f"it was saved from a different model")
+        if tuple(stored) != tuple(shape):
+            raise ConfigError(f"{reader.path}: tensor {name} has shape {list(stored)}, this model needs "
+                              f"{list(shape)} (check model.* against the checkpoint's config.toml)")
+    extra = sorted(set(reader.shapes) - set(expected))
+    if extra:
+        raise ConfigError(f"{reader.path}: tensor {extra[0]} is not part of this model (a different architecture)")
+
+
+def _new_adam_state(master: torch.Tensor, step: int) -> dict:
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    return {"step": torch.tensor(float(step), dtype=_get_scalar_dtype()),
+            "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
+
+
+@torch.no_grad()
+def load_weights(trainer, reader, optimizer_state: bool) -> None:
+    """Fill this rank's master weights (and AdamW state) with the rectangles it owns, then let the
+    engine rebuild what derives from them (bf16 copies, other ranks' ZeRO slices)."""
+    step = reader.meta["optimizer_step"] if optimizer_state else 0
+    optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
+    for seg, _placement, pieces in owned_pieces(trainer):
+        for piece in pieces:
+            reader.read("model", piece.name, piece.rect, piece.view(seg.master))
+        if not optimizer_state:
+            continue
+        state = optimizer.state[seg.master] = _new_adam_state(seg.master, step)
+        for kind in OPTIMIZER_KINDS:
+            for piece in pieces:
+                reader.read(kind, piece.name, piece.rect, piece.view(state[kind]))
+    if hasattr(trainer.dp, "_after_step"):  # DDP / ZeRO: parameters from masters, slices all-gathered
+        trainer.dp._after_step()
+
+
+def restore_rng(trainer, reader: CheckpointReader) -> str:
+    """Each rank takes its own saved RNG states when the layout is unchanged, else every rank takes
+    saved rank 0's (no rank-to-rank correspondence exists then). Returns which, for the log."""
+    same = reader.meta["layout"] == layout_of(trainer.cfg, trainer.ctx.world_size)
+    source = trainer.ctx.rank if same else 0
+    cpu = reader.rank_tensor(source, "rng/cpu")
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    cuda = reader.rank_tensor(source, "rng/cuda")
+    if cuda is not None and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, trainer.device)
+    return "per rank" if same else "from saved rank 0 (layout changed)"
+
+
+def load_checkpoint(trainer, path: Path) -> dict:
+    """Resume `trainer` from checkpoint `path` under whatever layout it runs now: weights, AdamW
+    state, step (so LR), data position, RNG. Returns the checkpoint's meta."""
+    reader = CheckpointReader(path)
+    check_shapes(reader, trainer.cfg.model)
+    load_weights(trainer, reader, optimizer_state=True)
+    trainer.loader.load_state_dict(reader.meta["data"])
+    trainer.step = reader.meta["step"]
+    if trainer.loader.next_step != trainer.step:
+        raise CheckpointError(f"{path}: data position {reader.meta['data']['consumed_samples']} samples does not "
+                              f"match step {trainer.step}")
+    restore_rng(trainer, reader)
+    return reader.meta
+
+
+def copy_tokenizer(path: Path, out: Path) -> None:
+    shutil.copyfile(Path(path) / "tokenizer.json", out)

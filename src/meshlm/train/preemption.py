@@ -1,0 +1,91 @@
+"""Stopping cleanly on SIGTERM (a preemption) or Ctrl-C: save at the next step boundary, exit 0.
+
+Reduces: the work lost to a preemption or an interrupt, to nothing (the step in flight finishes).
+Costs: one all-reduce of one number per step, so that every rank stops after the same step (a
+signal reaches ranks at different moments; a rank that stopped alone would leave the others
+waiting in a collective forever).
+
+- The first SIGTERM or SIGINT sets a flag; the trainer's step loop asks `requested(comm)` after
+  each step (an all-reduce MAX over the world) and, if any rank was signalled, every rank saves
+  a checkpoint and returns. A watchdog thread exits the process if that has not happened within
+  `checkpoint.stop_timeout_s` (a rank stuck in a collective with a dead peer cannot save).
+- A second SIGINT (Ctrl-C twice) exits at once. Repeated SIGTERMs count as one: schedulers
+  resend them, and torchrun forwards its own.
+- Under torchrun, the launcher's elastic agent catches the signal and forwards it to the workers
+  (which run in their own sessions); `die_with_parent` makes a worker die if the agent does, so
+  no rank outlives its launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (torchrun's agent) exits, however it exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent was already gone before prctl took effect
+        os._exit(1)
+
+
+class StopSignals:
+    """Context manager: SIGTERM/SIGINT handlers installed inside, the previous ones restored after."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.received: signal.Signals | None = None
+        self._previous = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        sig = signal.Signals(signum)
+        if self.received is not None:
+            if sig == signal.SIGINT and self.received == signal.SIGINT:
+                print("meshlm: second interrupt: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+                os._exit(130)
+            return
+        self.received = sig
+        print(f"meshlm: {sig.name}: saving a checkpoint after this step, then exiting "
+              f"(Ctrl-C again to exit now)", file=sys.stderr, flush=True)
+        self._timer = threading.Timer(self.timeout_s, self._give_up)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _give_up(self) -> None:
+        print(f"meshlm: no step boundary within {self.timeout_s:.0f} s of {self.received.name}: exiting without "
+              f"a checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def requested(self, comm) -> bool:
+        """Whether any rank was signalled (collective: every rank calls it after every step)."""
+        flag = torch.tensor([0.0 if self.received is None else 1.0], device=comm.ctx.device)
+        if comm.ctx.world_size > 1:
+            comm.all_reduce(flag, "world", op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())

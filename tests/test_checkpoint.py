@@ -1,0 +1,139 @@
+"""Sharded checkpoints: exact resume on the same layout, and reshard on load to any other layout,
+against the uninterrupted single-process run (same seed, same global batches)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.testing import run_ranks
+
+from helpers import build_trainer, small_cfg
+
+STEPS = 5
+SAVE_AT = 2
+UNTIED = ["model.n_layers=4", "model.tie_embeddings=false"]  # ZeRO + PP needs untied embeddings
+TIED = ["model.n_layers=4", "model.tie_embeddings=true"]
+
+LAYOUTS = {
+    "single": (1, []),
+    "dp2-zero0": (2, ["parallel.zero=0"]),
+    "dp2-zero1": (2, ["parallel.zero=1"]),
+    "dp2-zero2": (2, ["parallel.zero=2"]),
+    "dp4-zero3": (4, ["parallel.zero=3"]),
+    "dp2-zero3": (2, ["parallel.zero=3"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
+    "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2-gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"]),
+    "dp2-tp2-zero1": (4, ["parallel.tp=2", "parallel.zero=1"]),
+    "dp2-pp2-zero2": (4, ["parallel.pp=2", "parallel.zero=2"]),
+}
+
+
+def train_segment(corpus, run_dir, world_size, extra, start: Path | None, stop: int, save: bool):
+    """Build a trainer for `extra`, load `start` if given, train to step `stop`, optionally save.
+    Returns (losses of the steps run, rank)."""
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, *extra, steps=STEPS))
+    if start is not None:
+        load_checkpoint(trainer, start)
+    losses = []
+    while trainer.step < stop:
+        losses.append(trainer.train_step().loss)
+    if save:
+        save_checkpoint(trainer, run_dir / "checkpoints", keep=2)
+    return losses, trainer.ctx.rank
+
+
+def segment(corpus, run_dir, layout, model, start=None, stop=STEPS, save=False):
+    world, extra = LAYOUTS[layout]
+    args = (corpus, run_dir, world, [*model, *extra], start, stop, save)
+    results = [train_segment(*args)] if world == 1 else run_ranks(train_segment, world, *args, timeout=240)
+    losses = results[0][0]
+    for other, rank in results[1:]:
+        assert other == losses, f"rank {rank} reports other losses than rank 0"
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The uninterrupted single-process loss curves (untied and tied model)."""
+    root = tmp_path_factory.mktemp("reference")
+    return {"untied": segment(corpus, root / "u", "single", UNTIED),
+            "tied": segment(corpus, root / "t", "single", TIED)}
+
+
+def test_single_process_resume_is_bitwise_exact(corpus, tmp_path, reference):
+    first = segment(corpus, tmp_path, "single", UNTIED, stop=SAVE_AT, save=True)
+    rest = segment(corpus, tmp_path / "again", "single", UNTIED,
+                   start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
+    assert first + rest == reference["untied"]  # tolerance 0
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved"])
+def test_same_layout_resume_is_bitwise_exact(corpus, tmp_path, layout):
+    straight = segment(corpus, tmp_path / "straight", layout, UNTIED)
+    first = segment(corpus, tmp_path, layout, UNTIED, stop=SAVE_AT, save=True)
+    rest = segment(corpus, tmp_path / "again", layout, UNTIED, start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
+    assert first + rest == straight
+
+
+# Each axis changes in both directions: dp/zero stage, tp(+sp), pp and its schedule, and back to one process.
+RESHARD = [
+    ("dp4-zero3", "tp2-pp2", "untied"),
+    ("tp2-pp2", "dp4-zero3", "untied"),
+    ("tp2-sp", "dp2-zero1", "untied"),
+    ("dp2-zero1", "tp2-sp", "untied"),
+    ("pp2-interleaved", "pp2-gpipe", "untied"),
+    ("pp2-gpipe", "single", "untied"),
+    ("single", "dp2-pp2-zero2", "untied"),
+    ("dp2-pp2-zero2", "dp2-tp2-zero1", "untied"),
+    ("dp2-zero2", "dp2-zero0", "untied"),
+    ("pp2-1f1b", "tp2", "tied"),  # the last stage's copy of the tied embedding is not saved, but loaded
+    ("tp2", "pp2-interleaved", "tied"),
+    ("dp2-zero3", "single", "tied"),
+]
+
+
+@pytest.mark.parametrize("saved,loaded,model", RESHARD, ids=[f"{a}->{b}-{m}" for a, b, m in RESHARD])
+def test_reshard_continues_the_single_process_curve(corpus, tmp_path, reference, saved, loaded, model):
+    extra = UNTIED if model == "untied" else TIED
+    first = segment(corpus, tmp_path, saved, extra, stop=SAVE_AT, save=True)
+    rest = segment(corpus, tmp_path / "again", loaded, extra, start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
+    assert first + rest == pytest.approx(reference[model], abs=1e-5, rel=0)
+
+
+def test_pp2_interleaved_to_gpipe_to_single_process_chain(corpus, tmp_path, reference):
+    """A checkpoint resharded twice: pp2-interleaved -> pp2-gpipe -> one process."""
+    a = segment(corpus, tmp_path / "a", "pp2-interleaved", UNTIED, stop=2, save=True)
+    b = segment(corpus, tmp_path / "b", "pp2-gpipe", UNTIED, start=tmp_path / "a" / "checkpoints" / "step_0000002",
+                stop=4, save=True)
+    c = segment(corpus, tmp_path / "c", "single", UNTIED, start=tmp_path / "b" / "checkpoints" / "step_0000004")
+    assert a + b + c == pytest.approx(reference["untied"], abs=1e-5, rel=0)
+
+
+def saved_state(corpus, run_dir, world, extra):
+    """Every element written exactly once: the full tensors a checkpoint holds equal the trainer's
+    own gathered full weights."""
+    from meshlm.train.checkpoint import CheckpointReader, save_checkpoint
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, world, *extra, steps=STEPS))
+    trainer.train_step()
+    save_checkpoint(trainer, run_dir / "checkpoints", keep=1)
+    full = trainer.full_state_dict()
+    if trainer.ctx.rank != 0:
+        return None
+    reader = CheckpointReader(run_dir / "checkpoints" / "step_0000001")
+    return {name: (reader.full("model", name), full[name]) for name in reader.shapes}
+
+
+@pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-pp2", "dp2-tp2-zero1"])
+def test_stored_tensors_equal_the_gathered_weights(corpus, tmp_path, layout):
+    world, extra = LAYOUTS[layout]
+    pairs = run_ranks(saved_state, world, corpus, tmp_path, world, [*UNTIED, *extra], timeout=240)[0]
+    for name, (stored, gathered) in pairs.items():
+        assert torch.equal(stored, gathered), name
