@@ -12,6 +12,7 @@ from meshlm.config import ModelConfig
 from meshlm.model import Llama, count_parameters, init_weights, initial_value
 from meshlm.model.llama import RMSNorm, apply_rope, rope_tables
 from meshlm.model.presets import PRESETS
+from meshlm.train.checkpoint.hf import hf_name  # a pure renaming: no q/k permutation (see there)
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,32 +34,6 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- Hugging Face parity
-
-HF_NAMES = {
-    "tok_embeddings": "model.embed_tokens",
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "output": "lm_head",
-}
-
-
-def hf_name(name: str) -> str:
-    """A pure renaming: rotate_half RoPE on both sides means no q/k row permutation is needed
-    (that permutation is only for checkpoints from Meta's interleaved-pair layout)."""
-    if name == "norm.weight":
-        return "model.norm.weight"
-    if name.startswith("layers."):
-        name = "model." + name
-    for ours, theirs in HF_NAMES.items():
-        name = name.replace(ours, theirs)
-    return name
 
 
 def hf_twin(model: Llama):

@@ -140,6 +140,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a Hugging Face Llama directory from a checkpoint",
+                       description="Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json "
+                                   "that transformers' LlamaForCausalLM and AutoTokenizer load.")
+    p.add_argument("--checkpoint", required=True,
+                   help="a checkpoint directory, a run directory (its newest good checkpoint) or a final/ directory")
+    p.add_argument("--out", required=True, help="the directory to write (replaced whole if it is an earlier export)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def cmd_export(args) -> int:
+    import json
+
+    from meshlm.train.checkpoint.hf_export import export_hf
+    from meshlm.train.checkpoint.store import CheckpointError
+
+    try:
+        report = export_hf(Path(args.checkpoint), Path(args.out))
+    except (CheckpointError, OSError) as e:  # a corrupt checkpoint, a full disk: runtime failures
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"out": str(report.out), "source": str(report.source), "step": report.step,
+                          "n_params": report.n_params, "bytes": report.bytes, "seconds": round(report.seconds, 3)}))
+    else:
+        step = f" (step {report.step})" if report.step is not None else ""
+        print(f"meshlm: exported {report.source}{step}: {report.n_params:,} parameters, "
+              f"{report.bytes / 1e6:.1f} MB, to {report.out} in {report.seconds:.2f} s")
+    return 0
+
+
 # --------------------------------------------------------------------------- bench
 
 
@@ -186,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _generate_parser(sub)
+    _export_parser(sub)
     _bench_parser(sub)
     _simulate_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"train": cmd_train, "generate": cmd_generate, "bench": cmd_bench, "simulate": cmd_simulate}
+    commands = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
+                "simulate": cmd_simulate}
     try:
         return commands[args.command](args)
     except ConfigError as e:

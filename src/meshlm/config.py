@@ -222,8 +222,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def resolve(cfg: Config, world_size: int = 1) -> Config:
-    """Fill the model from its preset, infer dp from the world size, and validate everything."""
+    """Fill the model from its preset (or from model.init_from), infer dp from the world size,
+    and validate everything."""
     m = cfg.model
+    if m.init_from is not None:
+        _take_init_source(cfg)
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
     for name, value in PRESETS[m.preset].items():
@@ -239,7 +242,28 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
             raise ConfigError(f"parallel.tp*cp*pp = {model_parallel} does not divide the world size {world_size}")
         p.dp = world_size // model_parallel
     validate(cfg, world_size)
+    if m.init_from is not None:  # the stored tensors fit the model just resolved (headers only)
+        from meshlm.train.checkpoint.hf import open_weights
+
+        open_weights(Path(m.init_from), m)
     return cfg
+
+
+def _take_init_source(cfg: Config) -> None:
+    """model.init_from: the source's shape becomes the model's, and its tokenizer (if it has one)
+    the data's unless data.tokenizer names another. An override that contradicts the source is
+    an error naming the key (model.norm_eps has a default, not None, so it is simply taken)."""
+    from meshlm.train.checkpoint.hf import init_source_fields
+
+    source = Path(cfg.model.init_from)
+    for name, value in init_source_fields(source).items():
+        ours = getattr(cfg.model, name)
+        if name != "norm_eps" and ours is not None and ours != value:
+            raise ConfigError(f"model.{name}: {ours} contradicts model.init_from={source}, whose model has "
+                              f"{name} = {value}; leave model.{name} unset")
+        setattr(cfg.model, name, value)
+    if cfg.data.tokenizer is None and (source / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(source)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -255,7 +279,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")
     _require(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
              f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    _require(m.vocab_size >= 260, f"model.vocab_size: {m.vocab_size} is too small for a byte-level BPE (>= 260)")
+    _require(m.vocab_size >= 260 or d.tokenizer is not None,
+             f"model.vocab_size: {m.vocab_size} is too small for a byte-level BPE (>= 260)")
     _require(m.rope_theta > 0, f"model.rope_theta: must be > 0, got {m.rope_theta}")
     _require(m.norm_eps > 0, f"model.norm_eps: must be > 0, got {m.norm_eps}")
 
@@ -318,6 +343,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     if d.path is not None:
         _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
+    if d.tokenizer is not None:  # a pretrained tokenizer: usable, and its ids fit the embedding
+        from meshlm.train.tokenizer import load_pretrained
+
+        pretrained = load_pretrained(d.tokenizer)
+        _require(pretrained.n_ids <= m.vocab_size,
+                 f"model.vocab_size: {m.vocab_size} is smaller than the vocabulary of data.tokenizer "
+                 f"{pretrained.path} ({pretrained.n_ids} ids)")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
     _require(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume: must be auto, never or a checkpoint directory")

@@ -21,16 +21,20 @@ def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int =
             raise ValueError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
         head = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-    return [*head, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--module", module,
-            *module_args]
+    # SIGINT is not the agent's: see `launch`.
+    return [*head, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", "--module", module, *module_args]
 
 
 def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     """Run `python -m module module_args` on `nproc` ranks per node; returns an exit code.
 
-    SIGTERM/SIGINT to this process: torchrun's agent forwards it to the ranks (they save at the
-    next step boundary and exit 0, train/preemption.py) and waits up to 30 s for them; a second
-    Ctrl-C ends the wait and this process, and the ranks die with it (`die_with_parent`)."""
+    SIGTERM to this process: torchrun's agent forwards it to the ranks (they save at the next step
+    boundary and exit 0, train/preemption.py) and waits up to 30 s for them. Ctrl-C (SIGINT) is
+    left to Python here, so it interrupts the agent's loop, whose clean-up sends the ranks SIGTERM
+    and waits the same way; a second Ctrl-C interrupts that wait, this process returns at once and
+    the ranks die with it (`die_with_parent`). (Were SIGINT the agent's, its handler would swallow
+    the second one and wait the full 30 s.)"""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -50,4 +54,7 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     except SignalException as e:
         print(f"meshlm: {e.sigval.name}: ranks stopped", file=sys.stderr)
         return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        print("meshlm: interrupted: ranks stopped", file=sys.stderr)
+        return 130
     return 0

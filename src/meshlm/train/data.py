@@ -10,6 +10,11 @@ vocab size, val fraction, tokenizer recipe, format version). The directory is wr
 temporary name and renamed into place, so a killed run or N ranks racing leave either no cache
 or a complete one; the loser of a race throws its copy away and uses the winner's.
 
+A pretrained tokenizer (`data.tokenizer`) replaces the trained BPE: the key then holds the
+sha256 of its tokenizer.json (and its end-of-text token) instead of the recipe's name, so a
+changed tokenizer file never reuses tokens encoded by the old one. Without it, keys and cache
+directories are exactly those of a BPE-trained cache.
+
 Keeping a cache hit cheap: the default corpus is pinned by version and hash, so its version
 string is its content digest. User files are keyed first by (path, size, mtime) of every file,
 as `make` does; only when those change is the text read and hashed (`tokens/digests/` maps the
@@ -39,7 +44,8 @@ from tokenizers import Tokenizer
 
 from meshlm.config import ConfigError, DataConfig
 from meshlm.train.corpus import Corpus, cache_root, find_corpus
-from meshlm.train.tokenizer import TOKENIZER_ALGORITHM, encode_documents, eot_id, load_tokenizer, train_tokenizer
+from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, PretrainedTokenizer, encode_documents, eot_id,
+                                    load_pretrained, load_tokenizer, splits_like_gpt2, train_tokenizer)
 
 # Bump when the split rule, the EOT placement or the file layout changes.
 DATA_FORMAT_VERSION = 1
@@ -104,6 +110,13 @@ def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], 
         digest, documents = _content_digest(corpus, root / "tokens" / "digests")
     key_fields = {"corpus": digest, "vocab_size": vocab_size, "val_fraction": data_cfg.val_fraction,
                   "tokenizer": TOKENIZER_ALGORITHM, "format": DATA_FORMAT_VERSION}
+    pretrained = None
+    if data_cfg.tokenizer is not None:
+        pretrained = load_pretrained(data_cfg.tokenizer)
+        if pretrained.n_ids > vocab_size:
+            raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of data.tokenizer "
+                              f"{pretrained.path} ({pretrained.n_ids} ids)")
+        key_fields["tokenizer"] = f"pretrained-sha256:{pretrained.sha256}:{pretrained.end_token}"
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     cache_dir = root / "tokens" / f"{corpus.label}-v{vocab_size}-{key}"
 
@@ -113,7 +126,7 @@ def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], 
         cache_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=".building-"))
         try:
-            _build_cache(tmp, documents, vocab_size, data_cfg.val_fraction, corpus.label, digest, log)
+            _build_cache(tmp, documents, vocab_size, data_cfg.val_fraction, corpus.label, digest, log, pretrained)
             tmp.chmod(0o755)  # mkdtemp makes it private; a cache may be shared between users
             os.rename(tmp, cache_dir)
         except OSError:
@@ -169,34 +182,47 @@ def split_document(text: str, val_fraction: float) -> tuple[str, str]:
 
 
 def _build_cache(out: Path, documents: list[tuple[str, str]], vocab_size: int, val_fraction: float,
-                 label: str, digest: str, log: Callable[[str], None]) -> None:
+                 label: str, digest: str, log: Callable[[str], None],
+                 pretrained: PretrainedTokenizer | None = None) -> None:
     if not documents:
         raise RuntimeError(f"{label}: the corpus holds no text")
     heads, tails = zip(*(split_document(text, val_fraction) for _, text in documents))
     text_bytes = sum(len(text.encode()) for _, text in documents)
-    log(f"data: training a {vocab_size}-token byte-level BPE on {label} "
-        f"({len(documents)} documents, {text_bytes / 1e6:.1f} MB) ...")
     start = time.perf_counter()
-    tokenizer = train_tokenizer(heads, vocab_size)
+    if pretrained is None:
+        log(f"data: training a {vocab_size}-token byte-level BPE on {label} "
+            f"({len(documents)} documents, {text_bytes / 1e6:.1f} MB) ...")
+        tokenizer = train_tokenizer(heads, vocab_size)
+        eot, split_long = eot_id(tokenizer), True
+    else:
+        log(f"data: encoding {label} ({len(documents)} documents, {text_bytes / 1e6:.1f} MB) with "
+            f"{pretrained.path} ...")
+        tokenizer, eot = pretrained.tokenizer, pretrained.end_id
+        split_long = splits_like_gpt2(tokenizer)
     trained = time.perf_counter()
-    eot = eot_id(tokenizer)
     dtype = token_dtype(vocab_size)
     streams = {}
     for split, pieces in (("train", heads), ("val", tails)):
         # Every document ends with EOT, so the model learns where documents end.
         ids = [np.asarray(piece_ids + [eot], dtype=dtype)
-               for piece_ids in encode_documents(tokenizer, [p for p in pieces if p])]
+               for piece_ids in encode_documents(tokenizer, [p for p in pieces if p], split=split_long)]
         streams[split] = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
         streams[split].tofile(out / f"{split}.bin")
     for split, stream in streams.items():
         if stream.size and int(stream.max()) >= vocab_size:
             raise RuntimeError(f"{split} token id {int(stream.max())} >= vocab_size {vocab_size}")
-    tokenizer.save(str(out / "tokenizer.json"))
+    if pretrained is None:
+        tokenizer.save(str(out / "tokenizer.json"))
+    else:  # the file itself, byte for byte: checkpoints and exports carry exactly what the user gave
+        shutil.copyfile(pretrained.path, out / "tokenizer.json")
     meta = {"format": DATA_FORMAT_VERSION, "corpus": label, "corpus_digest": digest,
             "documents": len(documents), "text_bytes": text_bytes, "vocab_size": vocab_size,
             "tokenizer_vocab_size": tokenizer.get_vocab_size(), "tokenizer": TOKENIZER_ALGORITHM,
             "eot_id": eot, "dtype": dtype.name, "val_fraction": val_fraction,
             "n_train_tokens": int(streams["train"].size), "n_val_tokens": int(streams["val"].size)}
+    if pretrained is not None:
+        meta.update(tokenizer="pretrained", tokenizer_source=str(pretrained.path),
+                    tokenizer_sha256=pretrained.sha256)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the cache complete
     log(f"data: {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} held-out tokens "
         f"({text_bytes / max(1, meta['n_train_tokens'] + meta['n_val_tokens']):.2f} bytes/token); "

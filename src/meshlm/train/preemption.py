@@ -72,8 +72,9 @@ class StopSignals:
                 os._exit(130)
             return
         self.received = sig
-        print(f"meshlm: {sig.name}: saving a checkpoint after this step, then exiting "
-              f"(Ctrl-C again to exit now)", file=sys.stderr, flush=True)
+        again = " (Ctrl-C again to exit now)" if sig == signal.SIGINT else ""
+        print(f"meshlm: {sig.name}: saving a checkpoint after this step, then exiting{again}",
+              file=sys.stderr, flush=True)
         self._timer = threading.Timer(self.timeout_s, self._give_up)
         self._timer.daemon = True
         self._timer.start()

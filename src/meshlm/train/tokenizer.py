@@ -6,15 +6,23 @@ The recipe: the GPT-2 regex splits text into words, punctuation and whitespace r
 is mapped to one of 256 printable symbols (the initial alphabet, so all 256 are in the vocabulary
 even if the corpus never uses some); then merges of the most frequent adjacent pairs fill the
 vocabulary up to `vocab_size`. One special token, `<|endoftext|>`, separates documents.
+
+Or a pretrained tokenizer (`data.tokenizer`: a tokenizer.json, or a directory holding one, such
+as a Hugging Face model's): used as it is; its end-of-text token separates documents.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from meshlm.config import ConfigError
 
 EOT = "<|endoftext|>"
 # Part of the token cache key: bump it when the recipe below changes.
@@ -50,6 +58,77 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
+
+
+# --------------------------------------------------------------------------- pretrained
+
+TOKENIZER_FILE = "tokenizer.json"
+# Document separators of common tokenizers, tried in order when tokenizer_config.json names none.
+END_OF_TEXT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+
+
+@dataclass(frozen=True)
+class PretrainedTokenizer:
+    """A tokenizer the data is encoded with instead of a trained BPE (`data.tokenizer`)."""
+
+    path: Path  # the tokenizer.json file
+    sha256: str  # of that file: part of the token cache key
+    n_ids: int  # one past the largest id: the model's vocab_size must be at least this
+    end_token: str  # separates documents
+    tokenizer: Tokenizer
+
+    @property
+    def end_id(self) -> int:
+        return self.tokenizer.token_to_id(self.end_token)
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json that `path` names: the file itself, or the one inside a directory."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        where = f"{path} has no {TOKENIZER_FILE}" if path.is_dir() else f"{path} does not exist"
+        raise ConfigError(f"data.tokenizer: {where}")
+    return file
+
+
+def _named_end_token(file: Path) -> str | None:
+    """The eos_token of the tokenizer_config.json beside `file`, as Hugging Face saves it."""
+    config = file.parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def load_pretrained(path: str | Path) -> PretrainedTokenizer:
+    """The tokenizer `data.tokenizer` names; ConfigError (one line) if it cannot be used."""
+    file = tokenizer_file(path)
+    data = file.read_bytes()
+    try:
+        tokenizer = Tokenizer.from_str(data.decode())
+    except Exception as e:  # tokenizers raises plain Exception on a bad file
+        raise ConfigError(f"data.tokenizer: {file}: not a tokenizers JSON file ({e})") from None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    for name in (_named_end_token(file), *END_OF_TEXT_NAMES):
+        if name is not None and name in vocab:
+            end = name
+            break
+    else:
+        raise ConfigError(f"data.tokenizer: {file} has no end-of-text token to separate documents "
+                          f"(tried tokenizer_config.json's eos_token and {', '.join(END_OF_TEXT_NAMES)})")
+    return PretrainedTokenizer(file, hashlib.sha256(data).hexdigest(), max(vocab.values()) + 1, end, tokenizer)
+
+
+def splits_like_gpt2(tokenizer: Tokenizer) -> bool:
+    """Whether cutting text at `split_for_encoding`'s points leaves the ids unchanged: true for
+    meshlm's own recipe (a ByteLevel pre-tokenizer with the GPT-2 regex and no normaliser),
+    not assumed for other tokenizers, which then encode each document whole."""
+    spec = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False))
 
 
 def eot_id(tokenizer: Tokenizer) -> int:
@@ -88,10 +167,11 @@ def split_for_encoding(text: str, piece_chars: int = _PIECE_CHARS) -> list[str]:
     return pieces
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+def encode_documents(tokenizer: Tokenizer, texts: list[str], split: bool = True) -> list[list[int]]:
     """Ids for many texts at once, in parallel. A literal "<|endoftext|>" inside a text is encoded
-    as ordinary characters, so only the separators we insert ourselves mean "new document"."""
-    pieces = [split_for_encoding(text) for text in texts]
+    as ordinary characters, so only the separators we insert ourselves mean "new document".
+    `split`: cut long texts into pieces first (only for tokenizers where that changes nothing)."""
+    pieces = [split_for_encoding(text) if split else [text] for text in texts]
     # encode_batch_fast (tokenizers >= 0.20) skips computing character offsets: ~2x faster.
     encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     previous = tokenizer.encode_special_tokens

@@ -1,13 +1,15 @@
 """The trained model as a self-contained directory: weights (safetensors), tokenizer, config.
 
-`run.dir/final/` is what `meshlm generate` reads. The checkpoint issue adds sharded, resumable
-checkpoints next to it; this is the portable end product of a run.
+`run.dir/final/` is the portable end product of a run. `meshlm generate` reads it, or a sharded
+checkpoint directory (`run.dir/checkpoints/step_NNNNNNN/`, any layout: the reader assembles the
+full tensors); `find_trained` says which of the two a path names.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -42,24 +44,84 @@ def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path:
     return final
 
 
+def _is_final(path: Path) -> bool:
+    return (path / WEIGHTS).exists() and (path / TOKENIZER).exists()
+
+
 def find_model_dir(path: str | Path) -> Path:
     """Accept a run directory or its `final/` directory."""
     path = Path(path)
     for candidate in (path, path / "final"):
-        if (candidate / WEIGHTS).exists() and (candidate / TOKENIZER).exists():
+        if _is_final(candidate):
             return candidate
     raise ConfigError(f"--checkpoint: no {WEIGHTS} + {TOKENIZER} in {path} or {path / 'final'}")
 
 
+def find_trained(path: str | Path, prefer: str = "final", key: str = "--checkpoint") -> tuple[str, Path]:
+    """("final", dir) or ("checkpoint", dir) for `path`: a final/ directory, a checkpoint directory,
+    or a run directory (its final/ or its newest good checkpoint, `prefer` first). ConfigError if
+    there is nothing there; CheckpointError if its checkpoints are corrupt (hashes checked)."""
+    from meshlm.train.checkpoint.store import CheckpointError, list_checkpoints, newest_good, verify
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory")
+    if (path / "manifest.json").is_file() or (path / "meta.json").is_file():  # one checkpoint
+        problem = verify(path)
+        if problem:
+            raise CheckpointError(problem)
+        return "checkpoint", path
+    if _is_final(path):
+        return "final", path
+
+    def newest_checkpoint() -> Path | None:
+        root = next((r for r in (path / "checkpoints", path) if list_checkpoints(r)), None)
+        return None if root is None else newest_good(root, verify, lambda m: print(f"meshlm: warning: {m}", file=sys.stderr))
+
+    order = ("final", "checkpoint") if prefer == "final" else ("checkpoint", "final")
+    for kind in order:
+        found = (path / "final" if _is_final(path / "final") else None) if kind == "final" else newest_checkpoint()
+        if found is not None:
+            return kind, found
+    raise ConfigError(f"{key}: {path} holds no checkpoint (no checkpoints/step_*/ and no final/ with {WEIGHTS})")
+
+
+def _inference_config(config_file: Path) -> Config:
+    """A saved run config, resolved for the layout it trained with, with what only training
+    needs removed: the corpus, the pretrained tokenizer and init_from may be gone by now."""
+    cfg = load_config(str(config_file))
+    cfg.data.path = cfg.data.tokenizer = cfg.model.init_from = None
+    p = cfg.parallel
+    return resolve(cfg, world_size=p.dp * p.tp * p.cp * p.pp)
+
+
+def load_checkpoint_model(checkpoint: Path, cfg: Config) -> Llama:
+    """The single-process model with the full weights of checkpoint `checkpoint` (any layout)."""
+    from meshlm.train.checkpoint.pieces import canonical_shapes
+    from meshlm.train.checkpoint.state import check_shapes
+    from meshlm.train.checkpoint.store import CheckpointReader
+
+    reader = CheckpointReader(checkpoint)
+    check_shapes(reader, cfg.model)
+    model = Llama(cfg.model)
+    # A tied head is one parameter listed once (as the embedding), so loading that fills both.
+    state = {name: reader.full("model", name) for name in canonical_shapes(cfg.model)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= ({"output.weight"} if cfg.model.tie_embeddings else set()), missing
+    return model
+
+
 def load_trained(path: str | Path, device: torch.device | str = "cpu"):
-    """(model in eval mode, tokenizer, config) from a directory written by `save_final`."""
+    """(model in eval mode, tokenizer, config) from a final/ directory written by `save_final`,
+    a checkpoint directory, or a run directory (its final/, else its newest good checkpoint)."""
     from meshlm.train.tokenizer import load_tokenizer
 
-    model_dir = find_model_dir(path)
-    cfg = load_config(str(model_dir / CONFIG))
-    p = cfg.parallel  # the saved config is resolved for the layout it trained with
-    cfg = resolve(cfg, world_size=p.dp * p.tp * p.cp * p.pp)
-    model = Llama(cfg.model)
-    load_model(model, str(model_dir / WEIGHTS))
+    kind, model_dir = find_trained(path, prefer="final")
+    cfg = _inference_config(model_dir / CONFIG)
+    if kind == "checkpoint":
+        model = load_checkpoint_model(model_dir, cfg)
+    else:
+        model = Llama(cfg.model)
+        load_model(model, str(model_dir / WEIGHTS))
     model.to(device).eval()
     return model, load_tokenizer(model_dir / TOKENIZER), cfg

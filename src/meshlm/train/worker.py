@@ -81,6 +81,21 @@ def train_rank(cfg: Config) -> list[dict]:
     return rows
 
 
+def init_process_group(backend: str) -> None:
+    """The default process group from torchrun's environment. After a restart (--max-restarts)
+    torchrun hands the new workers the same store, which still holds the dead workers' gloo
+    addresses under the same keys: connecting to them hangs. Each attempt gets its own key prefix."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"meshlm/attempt{restart}", store), rank=rank,
+                            world_size=world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshlm.train.worker")
     parser.add_argument("--config", required=True)
@@ -95,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
-    dist.init_process_group(backend)
+    init_process_group(backend)
     try:
         train_rank(cfg)
     except (CheckpointError, ConfigError) as e:  # a bad checkpoint: one line, not a traceback per rank

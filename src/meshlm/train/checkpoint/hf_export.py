@@ -1,0 +1,203 @@
+"""Export: a meshlm checkpoint (saved under any layout) or final/ directory -> a Hugging Face
+Llama directory that `transformers` loads with `LlamaForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained`:
+
+    config.json            LlamaConfig (shape, rope_theta, rms_norm_eps, tied head, float32)
+    model.safetensors      the full fp32 weights under transformers' names (hf.hf_name)
+    tokenizer.json         the run's tokenizer, byte for byte
+    tokenizer_config.json  PreTrainedTokenizerFast, with the end-of-text token as eos and bos
+
+Tensors are assembled and written one at a time (the safetensors file is streamed: header
+first, then each tensor's bytes), so exporting needs the memory of the largest tensor, not of
+the model. The directory is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from meshlm.config import ConfigError, ModelConfig, load_config
+from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
+from meshlm.train.tokenizer import END_OF_TEXT_NAMES, load_tokenizer
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    source: Path  # the checkpoint or final/ directory exported
+    step: int | None  # the checkpoint's step (None for final/)
+    n_params: int
+    bytes: int  # of model.safetensors
+    seconds: float
+
+
+class _Source:
+    """The full tensors of a trained model under meshlm's names, one at a time."""
+
+    path: Path
+    model: ModelConfig
+    shapes: dict[str, tuple[int, ...]]  # every stored tensor (a tied head is the embedding, once)
+    tokenizer: Path
+    step: int | None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _CheckpointSource(_Source):
+    def __init__(self, path: Path) -> None:
+        from meshlm.train.checkpoint.store import CheckpointReader
+
+        self.path = path
+        self.reader = CheckpointReader(path)
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        self.model = ModelConfig(**{k: v for k, v in self.reader.meta["model"].items() if k in known})
+        self.shapes = self.reader.shapes
+        self.tokenizer = path / "tokenizer.json"
+        self.step = self.reader.meta["step"]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.reader.full("model", name)
+
+
+class _FinalSource(_Source):
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        from meshlm.train.checkpoint.pieces import EMBEDDING, TIED_HEAD, canonical_shapes
+
+        self.path = path
+        self.model = load_config(str(path / "config.toml")).model  # saved resolved: every field set
+        self.shapes = canonical_shapes(self.model)
+        self.tokenizer = path / "tokenizer.json"
+        self.step = None
+        self.file = safe_open(str(path / "model.safetensors"), framework="pt", device="cpu")
+        # save_final stores a tied embedding once, under whichever of its two names it kept.
+        self.alias = {EMBEDDING: TIED_HEAD} if EMBEDDING not in self.file.keys() else {}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.file.get_tensor(self.alias.get(name, name)).float()
+
+
+# --------------------------------------------------------------------------- what is written
+
+
+def llama_config(m: ModelConfig, end_id: int | None) -> dict:
+    """config.json for meshlm model `m`: the fields LlamaConfig reads, in transformers 4 and 5
+    spellings (rope_theta / rope_parameters, torch_dtype / dtype)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.dim // m.n_heads,
+        "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": bool(m.tie_embeddings), "hidden_act": "silu",
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+        "bos_token_id": end_id, "eos_token_id": end_id, "pad_token_id": None,
+    }
+
+
+def end_of_text(tokenizer_path: Path) -> tuple[str | None, int | None]:
+    """The document separator meshlm trained with (the first known end-of-text name the
+    tokenizer has); it is both eos and bos, as in GPT-2: meshlm prepends no BOS."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    for name in END_OF_TEXT_NAMES:
+        if tokenizer.token_to_id(name) is not None:
+            return name, tokenizer.token_to_id(name)
+    return None, None
+
+
+def tokenizer_config(end_token: str | None, max_len: int) -> dict:
+    # clean_up_tokenization_spaces would rewrite " ," to "," on decode: a byte-level BPE
+    # round-trips text exactly and must decode exactly as meshlm does.
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+            "bos_token": end_token, "eos_token": end_token, "unk_token": None, "pad_token": None,
+            "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False}
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> int:
+    """Stream a safetensors file: the header (names, shapes, offsets, known up front), then each
+    tensor as `fetch(name)` returns it. Returns the file size."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        size = itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, shape in shapes.items():
+            tensor = fetch(name).to(dtype).contiguous()
+            assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # raw little-endian bytes, no copy
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(encoded) + offset
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _open_source(path: Path) -> _Source:
+    from meshlm.train.weights import find_trained
+
+    kind, found = find_trained(path, prefer="checkpoint")
+    return _CheckpointSource(found) if kind == "checkpoint" else _FinalSource(found)
+
+
+def _check_out(out: Path) -> None:
+    """`out` may be new, empty, or an earlier export (replaced whole); anything else is kept safe."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / HF_CONFIG).is_file())):
+        raise ConfigError(f"--out: {out} exists and is not an earlier export; choose a new directory")
+
+
+def export_hf(source: Path, out: Path) -> ExportReport:
+    """Write the Hugging Face Llama directory `out` from `source` (a checkpoint directory, a run
+    directory: its newest good checkpoint, or a final/ directory)."""
+    t0 = time.perf_counter()
+    src = _open_source(Path(source))
+    out = Path(out)
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        names = sorted(src.shapes)  # meshlm names; a tied head is not among them
+        theirs = {hf_name(name): src.shapes[name] for name in names}
+        ours = {hf_name(name): name for name in names}
+        size = write_safetensors(tmp / HF_WEIGHTS, theirs, lambda hf: src.tensor(ours[hf]))
+        end_token, end_id = end_of_text(src.tokenizer)
+        (tmp / HF_CONFIG).write_text(json.dumps(llama_config(src.model, end_id), indent=2) + "\n")
+        shutil.copyfile(src.tokenizer, tmp / "tokenizer.json")
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(end_token, src.model.max_seq_len),
+                                                       indent=2) + "\n")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n_params = sum(int(torch.Size(s).numel()) for s in src.shapes.values())
+    return ExportReport(out, src.path, src.step, n_params, size, time.perf_counter() - t0)

@@ -1,0 +1,337 @@
+"""Hugging Face interop: `meshlm export` of checkpoints saved under any layout loads in
+transformers with the same weights, logits, greedy text and tokens; `model.init_from` of a
+transformers Llama (or of an export, or of a checkpoint) gives every layout the same weights;
+bad paths and bad configs are one line and exit 2 (1 for a corrupt checkpoint)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.cli import main as meshlm_main
+from meshlm.config import ConfigError
+from meshlm.model import Llama, init_weights
+from meshlm.testing import run_ranks
+from meshlm.train.checkpoint import save_checkpoint
+from meshlm.train.checkpoint.hf import hf_name, init_from
+from meshlm.train.checkpoint.hf_export import export_hf
+from meshlm.train.tokenizer import encode, load_tokenizer
+
+from helpers import build_trainer, read_metrics, run_meshlm, small_cfg
+
+transformers = pytest.importorskip("transformers")
+
+SAVED = {  # layout -> (world size, overrides): sharded by dp (ZeRO-3), tp and pp, and one process
+    "single-untied": (1, ["model.tie_embeddings=false"]),
+    "single-tied": (1, ["model.tie_embeddings=true"]),
+    "dp2-zero3": (2, ["model.tie_embeddings=false", "parallel.zero=3"]),
+    "tp2": (2, ["model.tie_embeddings=false", "parallel.tp=2"]),
+    "pp2-tied": (2, ["model.tie_embeddings=true", "parallel.pp=2"]),
+}
+TEXT = "ROMEO: But , soft ! what light through yonder window breaks ?\n\n  It is the east — é ü 😀 <|endoftext|> ."
+
+
+class FullTensors:
+    """A reader (as load_weights takes) over full tensors held in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read(self, kind, name, rect, out):
+        full = self.tensors[name]
+        full = full.view(1, -1) if full.ndim == 1 else full
+        out.copy_(full[rect.row: rect.row + rect.rows, rect.col: rect.col + rect.cols])
+
+
+def scaled_weights(model_cfg, seed: int = 3) -> dict[str, torch.Tensor]:
+    """meshlm's initialisation x5 and norm weights in [0.5, 1.5]: logits far from uniform, so a
+    wrong name, transpose or config field shows up in them (std 0.02 weights would hide it)."""
+    model = Llama(model_cfg)
+    init_weights(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
+        out[name] = (torch.rand(p.shape, generator=gen) + 0.5) if name.endswith("norm.weight") else p.detach() * 5
+    return out
+
+
+def save_scaled(corpus, run_dir, world_size, extra):
+    """Load the scaled weights into a trainer of this layout, train one step, save a checkpoint.
+    Returns (full weights after the step, on rank 0; rank)."""
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, *extra, steps=2))
+    from meshlm.train.checkpoint.state import load_weights
+
+    load_weights(trainer, FullTensors(scaled_weights(trainer.cfg.model)), optimizer_state=False)
+    trainer.train_step()
+    full = {k: v.detach().clone() for k, v in trainer.full_state_dict().items()}
+    save_checkpoint(trainer, run_dir / "checkpoints", keep=2)
+    return full, trainer.ctx.rank
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, tmp_path_factory):
+    """layout -> (run dir, its checkpoint dir, full weights): made on first use."""
+    made = {}
+
+    def get(layout):
+        if layout not in made:
+            world, extra = SAVED[layout]
+            run_dir = tmp_path_factory.mktemp(layout)
+            args = (corpus, run_dir, world, extra)
+            results = [save_scaled(*args)] if world == 1 else run_ranks(save_scaled, world, *args, timeout=120)
+            made[layout] = (run_dir, run_dir / "checkpoints" / "step_0000001", results[0][0])
+        return made[layout]
+
+    return get
+
+
+def meshlm_model(model_cfg, weights) -> Llama:
+    model = Llama(model_cfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"output.weight"}
+    return model.eval()
+
+
+def hf_weights(hf) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in hf.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("layout", list(SAVED))
+def test_export_loads_in_transformers_with_same_weights_and_logits(corpus, saved, tmp_path, layout):
+    run_dir, checkpoint, full = saved(layout)
+    report = export_hf(run_dir, tmp_path / "hf")  # a run directory: its newest good checkpoint
+    assert report.source == checkpoint and report.step == 1
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model_cfg = small_cfg(corpus, run_dir, 1, SAVED[layout][1][0]).model  # the tie setting
+    tied = model_cfg.tie_embeddings
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    theirs = hf_weights(hf)
+    assert set(theirs) == {hf_name(k) for k in full} | ({"lm_head.weight"} if tied else set())
+    for name, value in full.items():  # the weights the sharded run held, bit for bit
+        assert torch.equal(theirs[hf_name(name)], value), name
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        ours, hf_logits = meshlm_model(model_cfg, full)(tokens), hf(input_ids=tokens).logits
+    assert ours.abs().max() > 1.0  # not near-uniform logits, where an error could hide
+    assert (ours - hf_logits).abs().max() <= 1e-4
+
+
+def test_exported_tokenizer_encodes_like_meshlm(saved, tmp_path):
+    _, checkpoint, _ = saved("single-tied")
+    export_hf(checkpoint, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = load_tokenizer(checkpoint / "tokenizer.json")
+    assert hf_tok(TEXT)["input_ids"] == encode(ours, TEXT)
+    assert hf_tok.decode(encode(ours, TEXT)) == TEXT  # byte-level: exact round trip, no space cleanup
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == ours.token_to_id("<|endoftext|>")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == config["rope_theta"] == 10000.0
+    assert config["tie_word_embeddings"] is True and config["torch_dtype"] == "float32"
+
+
+def test_export_of_a_final_directory(corpus, saved, tmp_path):
+    """final/ (save_final keeps one name of a tied pair, the checkpoint none) exports the same."""
+    from meshlm.train.weights import save_final
+
+    run_dir, checkpoint, full = saved("single-tied")
+    cfg = small_cfg(corpus, run_dir, 1, *SAVED["single-tied"][1])
+    save_final(full, cfg, checkpoint / "tokenizer.json", tmp_path)
+    export_hf(tmp_path / "final", tmp_path / "from-final")
+    export_hf(checkpoint, tmp_path / "from-checkpoint")
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "from-final" / name).read_bytes() == (tmp_path / "from-checkpoint" / name).read_bytes()
+
+
+def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path):
+    """The CLI end to end: `meshlm export` of a ZeRO-3 run, and `meshlm generate --temperature 0`
+    reading that run's sharded checkpoint directly."""
+    _, checkpoint, _ = saved("dp2-zero3")
+    proc = run_meshlm("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf"), "--json")
+    assert json.loads(proc.stdout)["step"] == 1
+    n_new = 30
+    ours = run_meshlm("generate", "--checkpoint", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0",
+                      "--max-new-tokens", str(n_new)).stdout[:-1]  # print's newline
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf.generation_config.eos_token_id = None  # meshlm's sampler does not stop at end-of-text
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = tok("ROMEO:", return_tensors="pt")["input_ids"]
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n_new)
+    assert out.shape[1] == prompt.shape[1] + n_new
+    assert tok.decode(out[0]) == ours
+
+
+# --------------------------------------------------------------------------- import
+
+
+def random_hf_llama(out: Path, tied: bool, shard: bool):
+    """A transformers Llama with random weights (GQA; vocab 512 so the offline corpus's BPE cache
+    is shared), saved with save_pretrained (sharded into several files when `shard`)."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    torch.manual_seed(11)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    hf.save_pretrained(out, max_shard_size="60KB" if shard else "1GB")
+    assert (out / "model.safetensors.index.json").exists() == shard
+    return hf
+
+
+def imported(corpus, run_dir, world_size, source, extra):
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, f"model.init_from={source}", *extra))
+    init_from(trainer, source)
+    full = {k: v.detach().clone() for k, v in trainer.full_state_dict().items()}
+    logits = None
+    if world_size == 1:
+        with torch.no_grad():
+            logits = trainer.model(torch.arange(40).view(2, 20) * 7 % 512)
+    # The held-out loss runs every stage: it sees a last stage's copy of a tied head, too.
+    return full, logits, trainer.evaluate(), trainer.eval_set, trainer.step
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-models")
+    return {tied: (root / str(tied), random_hf_llama(root / str(tied), tied, shard=not tied)) for tied in (False, True)}
+
+
+@pytest.mark.parametrize("tied,world,layout", [
+    (False, 1, []), (False, 2, ["parallel.tp=2"]), (False, 2, ["parallel.pp=2"]),
+    (False, 2, ["parallel.zero=2"]),  # flat shards: here one starts mid-way through a norm vector
+    (True, 1, []), (True, 2, ["parallel.pp=2"]),
+])
+def test_init_from_transformers_gives_every_layout_its_weights(corpus, tmp_path, hf_models, tied, world, layout):
+    source, hf = hf_models[tied]
+    args = (corpus, tmp_path, world, source, layout)
+    full, logits, eval_loss, eval_set, step = (imported(*args) if world == 1
+                                               else run_ranks(imported, world, *args, timeout=120)[0])
+    theirs = hf_weights(hf)
+    assert step == 0 and set(map(hf_name, full)) | ({"lm_head.weight"} if tied else set()) == set(theirs)
+    for name, value in full.items():
+        assert torch.equal(value, theirs[hf_name(name)]), name
+    if logits is not None:
+        with torch.no_grad():
+            expected = hf(input_ids=torch.arange(40).view(2, 20) * 7 % 512).logits
+        assert logits.abs().max() > 1.0 and (logits - expected).abs().max() <= 1e-4
+    with torch.no_grad():
+        hf_loss = sum(hf(input_ids=x).logits.flatten(0, 1).double().log_softmax(-1)
+                      .gather(1, y.view(-1, 1)).sum().neg() for x, y in eval_set) / sum(y.numel() for _, y in eval_set)
+    assert eval_loss == pytest.approx(hf_loss.item(), abs=1e-5)
+
+
+def test_config_comes_from_the_source_and_contradictions_name_the_key(corpus, tmp_path, hf_models):
+    source, _ = hf_models[True]
+    cfg = small_cfg(corpus, tmp_path, 1, f"model.init_from={source}")  # the debug preset says otherwise
+    m = cfg.model
+    assert (m.dim, m.ffn_dim, m.n_kv_heads, m.max_seq_len, m.rope_theta, m.norm_eps, m.tie_embeddings) == \
+           (64, 96, 2, 128, 5000.0, 1e-6, True)
+    assert cfg.data.tokenizer is None  # save_pretrained wrote no tokenizer: the data trains its BPE
+    with pytest.raises(ConfigError, match=r"^model\.dim: 128 contradicts"):
+        small_cfg(corpus, tmp_path, 1, f"model.init_from={source}", "model.dim=128")
+
+
+def test_training_from_an_export_equals_training_from_its_checkpoint(corpus, saved, tmp_path):
+    """Weights-only start from the checkpoint and from its export: the same losses, bit for bit
+    (the export is exact fp32). Also through `meshlm train`: step 0 on, the same first loss."""
+    _, checkpoint, _ = saved("single-untied")
+    export_hf(checkpoint, tmp_path / "hf")
+
+    def losses(source, run_dir):
+        trainer = build_trainer(small_cfg(corpus, run_dir, 1, f"model.init_from={source}", steps=3))
+        assert trainer.cfg.data.tokenizer == str(source)  # the tokenizer came along
+        init_from(trainer, source)
+        return [trainer.train_step().loss for _ in range(3)]
+
+    from_checkpoint = losses(checkpoint, tmp_path / "a")
+    assert losses(tmp_path / "hf", tmp_path / "b") == from_checkpoint
+    run_dir = tmp_path / "cli"
+    proc = run_meshlm("train", "model.preset=debug", f"model.init_from={tmp_path / 'hf'}",
+                      *small_args(corpus, run_dir), "train.steps=2", "run.sample_tokens=0")
+    assert f"initialised from {tmp_path / 'hf'}" in proc.stdout + proc.stderr
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] == pytest.approx(from_checkpoint[0], abs=1e-6)
+
+
+def small_args(corpus, run_dir):
+    from helpers import small_train_args
+
+    return [a for a in small_train_args(corpus, run_dir) if not a.startswith(("model.", "train.steps"))]
+
+
+def test_pretrained_tokenizer_encodes_the_data_and_keys_the_cache(corpus, saved, tmp_path):
+    from meshlm.train.data import prepare_data
+
+    _, checkpoint, _ = saved("single-untied")
+    default = small_cfg(corpus, tmp_path, 1)
+    pretrained = small_cfg(corpus, tmp_path, 1, f"data.tokenizer={checkpoint}")
+    a = prepare_data(default.data, 512, log=lambda m: None)
+    b = prepare_data(pretrained.data, 512, log=lambda m: None)
+    assert a.cache_dir != b.cache_dir  # keyed by the tokenizer file's content, not the recipe
+    # The tokenizer the default cache trained, given back as a file: the same tokens.
+    assert (b.train_tokens() == a.train_tokens()).all() and b.eot_id == a.eot_id
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size: 300 is smaller than the vocabulary"):
+        small_cfg(corpus, tmp_path, 1, f"data.tokenizer={checkpoint}", "model.vocab_size=300")
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def meshlm_fails(*args: str, code: int) -> str:
+    """`meshlm ARGS` in a subprocess; asserts exit `code` and one line on stderr, no traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshlm: error: "), proc.stderr
+    return lines[0]
+
+
+def in_process_fails(capsys, *args: str, code: int) -> str:
+    """The same through meshlm.cli.main in this process: cheaper for the many cases."""
+    capsys.readouterr()
+    assert meshlm_main(list(args)) == code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshlm: error: "), lines
+    return lines[0]
+
+
+def test_bad_init_from_is_one_line_exit_2(corpus, tmp_path, capsys):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "empty").mkdir()
+    train = ["train", "model.preset=debug", f"run.dir={tmp_path / 'run'}"]
+    line = meshlm_fails(*train, f"model.init_from={tmp_path / 'missing'}", code=2)
+    assert "model.init_from" in line and "does not exist" in line
+    assert "'gpt2'" in in_process_fails(capsys, *train, f"model.init_from={gpt2}", code=2)
+    assert "no config.json" in in_process_fails(capsys, *train, f"model.init_from={tmp_path / 'empty'}", code=2)
+
+
+def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
+    (tmp_path / "nothing").mkdir()
+    line = meshlm_fails("export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"), code=2)
+    assert "holds no checkpoint" in line
+    assert "not a directory" in in_process_fails(capsys, "export", "--checkpoint", str(tmp_path / "missing"),
+                                                 "--out", str(tmp_path / "x"), code=2)
+    _, checkpoint, _ = saved("single-untied")
+    corrupt = tmp_path / "corrupt"
+    import shutil
+
+    shutil.copytree(checkpoint, corrupt)
+    data = bytearray((corrupt / "rank00000.safetensors").read_bytes())
+    data[-5] ^= 0xFF
+    (corrupt / "rank00000.safetensors").write_bytes(bytes(data))
+    line = in_process_fails(capsys, "export", "--checkpoint", str(corrupt), "--out", str(tmp_path / "x"), code=1)
+    assert "rank00000.safetensors" in line and "checksum" in line
+    assert not (tmp_path / "x").exists()
