@@ -35,8 +35,8 @@ HF_HEAD = "lm_head.weight"
 
 # meshlm module name -> transformers module name, inside each decoder layer and at the top.
 LAYER_NAMES = {
-    "attention.wq": "self_attn.k_proj",
-    "attention.wk": "self_attn.q_proj",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
     "feed_forward.w1": "mlp.gate_proj",

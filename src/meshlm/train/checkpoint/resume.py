@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from meshlm.config import Config, ConfigError
-from meshlm.train.checkpoint.store import (CheckpointError, CheckpointReader, list_checkpoints, newest_good,
-                                           read_manifest, verify)
+from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, list_checkpoints, newest_good,
+                                           read_manifest, verify, verify_files)
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -60,12 +60,10 @@ def precheck(cfg: Config, warn=print) -> Path | None:
     if mode == "never":
         return None
     if mode == "auto":
-        found = list_checkpoints(checkpoint_root(cfg))
-        for path in reversed(found):
-            try:
-                read_manifest(path)
-            except CheckpointError as e:
-                warn(f"meshlm: warning: skipping checkpoint {path.name}: {e}")
+        for path in reversed(list_checkpoints(checkpoint_root(cfg))):
+            problem = _small_files_problem(path)
+            if problem:  # the ranks check every file again, and fall back the same way
+                warn(f"meshlm: warning: skipping checkpoint {path.name}: {problem}")
                 continue
             check_compatible(path, cfg)
             return path
@@ -74,12 +72,22 @@ def precheck(cfg: Config, warn=print) -> Path | None:
     if not path.exists():
         raise ConfigError(f"checkpoint.resume: {path} does not exist")
     candidates = explicit_candidates(path)
-    try:
-        read_manifest(candidates[-1])
-    except CheckpointError as e:
-        raise ConfigError(f"checkpoint.resume: {e}") from None
+    problem = _small_files_problem(candidates[-1])
+    if problem:
+        raise ConfigError(f"checkpoint.resume: {problem}")
     check_compatible(candidates[-1], cfg)
     return candidates[-1]
+
+
+def _small_files_problem(path: Path) -> str | None:
+    """A manifest, and a meta.json that matches it: what the launcher reads (no tensor is hashed)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return str(e)
+    if META not in manifest["files"]:
+        return f"{path}/manifest.json: lists no {META}"
+    return verify_files(path, [META], manifest)
 
 
 def _verify_together(path: Path, comm, ctx) -> str | None:

@@ -190,16 +190,19 @@ class CheckpointReader:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.meta = json.loads((self.path / META).read_text())
-        self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in self.meta["shapes"].items()}
         self._files: dict[str, object] = {}
         self.index: dict[tuple[str, str], list[tuple[str, str, Rect]]] = {}
-        for name in sorted(self.manifest["files"]):
-            if not name.endswith(".safetensors"):
-                continue
-            header = self._open(name).metadata() or {}
-            for key, kind, tensor, row, col, rows, cols in json.loads(header.get("pieces", "[]")):
-                self.index.setdefault((kind, tensor), []).append((name, key, Rect(row, col, rows, cols)))
+        try:
+            self.meta = json.loads((self.path / META).read_text())
+            self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in self.meta["shapes"].items()}
+            for name in sorted(self.manifest["files"]):
+                if not name.endswith(".safetensors"):
+                    continue
+                header = self._open(name).metadata() or {}
+                for key, kind, tensor, row, col, rows, cols in json.loads(header.get("pieces", "[]")):
+                    self.index.setdefault((kind, tensor), []).append((name, key, Rect(row, col, rows, cols)))
+        except Exception as e:  # noqa: BLE001 - OSError, JSON, KeyError, safetensors' own header errors
+            raise CheckpointError(f"{self.path}: unreadable ({type(e).__name__}: {e})") from None
 
     def _open(self, name: str):
         if name not in self._files:

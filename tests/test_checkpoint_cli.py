@@ -1,0 +1,164 @@
+"""Checkpoints end to end through `meshlm train`: resume after a crash, a killed rank restarted by
+torchrun, SIGTERM and Ctrl-C, corrupt checkpoints, and bad input. Every run here is compared with
+an uninterrupted one, loss by loss."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import data_args, read_metrics, run_meshlm
+
+STEPS = 6
+
+
+def train_args(corpus, run_dir, *overrides, steps=STEPS):
+    return ["train", "model.preset=debug", *data_args(corpus), "train.seq_len=32", "train.global_batch_size=8",
+            "train.micro_batch_size=2", f"train.steps={steps}", "train.lr=1e-3", "train.warmup_steps=2",
+            "train.eval_interval=0", "run.sample_tokens=0", "checkpoint.interval=2", f"run.dir={run_dir}", *overrides]
+
+
+def meshlm(*args, timeout=240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def losses(run_dir) -> list[float]:
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "metrics.jsonl must hold every step once"
+    return [r["loss"] for r in rows]
+
+
+def no_rank_left(run_dir) -> None:
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        found = subprocess.run(["pgrep", "-f", f"meshlm.train.worker --config {run_dir}"], capture_output=True)
+        if found.returncode != 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"rank processes still running: {found.stdout.decode()}")
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """Uninterrupted single-process losses (the reference)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    run_meshlm(*train_args(corpus, run_dir))
+    return losses(run_dir)
+
+
+def test_crash_then_resume_is_bitwise_exact_and_metrics_hold_every_step(corpus, tmp_path, straight):
+    crashed = meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_step=3"))
+    assert crashed.returncode == -signal.SIGKILL
+    assert len(read_metrics(tmp_path)) == 3  # step 3 was logged after the checkpoint of step 2
+    resumed = run_meshlm(*train_args(corpus, tmp_path))
+    assert "resuming from" in resumed.stdout and "step_0000002" in resumed.stdout
+    assert losses(tmp_path) == straight  # tolerance 0; step 3 ran twice and is listed once
+
+
+def test_killed_rank_is_restarted_and_training_continues(corpus, tmp_path, straight):
+    proc = run_meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_rank=1", "debug.fault_step=3"),
+                      "--nproc", "2", "--max-restarts", "1")
+    assert "resumed from" in proc.stdout
+    assert losses(tmp_path) == pytest.approx(straight, abs=1e-5, rel=0)
+    no_rank_left(tmp_path)
+
+
+def start_training(corpus, run_dir, *overrides):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = train_args(corpus, run_dir, "checkpoint.interval=1000", *overrides, steps=1000)
+    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", *args, "--nproc", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_steps(run_dir, n: int, proc, timeout=120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("training did not reach the step")
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_zero(corpus, tmp_path):
+    proc = start_training(corpus, tmp_path)
+    wait_for_steps(tmp_path, 2, proc)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert time.time() - t0 < 30
+    stopped_at = len(read_metrics(tmp_path))
+    assert f"stopped by SIGTERM after step {stopped_at}" in out
+    assert (tmp_path / "checkpoints" / f"step_{stopped_at:07d}" / "manifest.json").exists()
+    assert not (tmp_path / "final").exists()  # not finished: the checkpoint is the result
+    no_rank_left(tmp_path)
+
+
+def test_second_ctrl_c_exits_at_once_and_leaves_no_checkpoint_half_written(corpus, tmp_path):
+    slow = ["model.dim=512", "model.ffn_dim=1024", "train.seq_len=128"]  # steps of ~1 s: time to interrupt one
+    proc = start_training(corpus, tmp_path, *slow)
+    wait_for_steps(tmp_path, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert time.time() - t0 < 5
+    no_rank_left(tmp_path)
+    from meshlm.train.checkpoint.store import list_checkpoints, verify
+
+    for path in list_checkpoints(tmp_path / "checkpoints"):  # whatever exists is complete
+        assert verify(path) is None
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_path, straight):
+    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.keep=3", steps=4))
+    newest = tmp_path / "checkpoints" / "step_0000004" / "rank00000.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    (tmp_path / "checkpoints" / "step_0000005").mkdir()  # a directory without a manifest: never loaded
+    proc = run_meshlm(*train_args(corpus, tmp_path))
+    assert "rank00000.safetensors: contents do not match the manifest's checksum" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout and "step_0000002" in proc.stdout
+    assert losses(tmp_path) == straight
+
+
+def test_no_good_checkpoint_is_exit_1_in_one_line(corpus, tmp_path):
+    run_meshlm(*train_args(corpus, tmp_path, steps=2))
+    (tmp_path / "checkpoints" / "step_0000002" / "meta.json").write_text("{}")
+    proc = meshlm(*train_args(corpus, tmp_path, steps=4))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("meshlm: error: no usable checkpoint")
+    assert "Traceback" not in proc.stderr
+
+
+def one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path):
+    run_meshlm(*train_args(corpus, tmp_path / "run", steps=2))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    one_line_error(meshlm(*train_args(corpus, tmp_path / "a", f"checkpoint.resume={tmp_path}")), "no manifest.json")
+    one_line_error(meshlm(*train_args(corpus, tmp_path / "b", f"checkpoint.resume={tmp_path / 'nope'}")),
+                   "checkpoint.resume", "does not exist")
+    one_line_error(meshlm(*train_args(corpus, tmp_path / "c", f"checkpoint.resume={ckpt}", "model.dim=128")),
+                   "tok_embeddings.weight", "[512, 64]")
+    one_line_error(meshlm(*train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}",
+                                      "train.global_batch_size=16")), "train.global_batch_size")
+    one_line_error(meshlm(*train_args(corpus, tmp_path / "e", "checkpoint.interval=-1")), "checkpoint.interval")
+    assert json.loads((ckpt / "manifest.json").read_text())["step"] == 2  # untouched by any of it
