@@ -162,3 +162,15 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path):
                                       "train.global_batch_size=16")), "train.global_batch_size")
     one_line_error(meshlm(*train_args(corpus, tmp_path / "e", "checkpoint.interval=-1")), "checkpoint.interval")
     assert json.loads((ckpt / "manifest.json").read_text())["step"] == 2  # untouched by any of it
+
+
+def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path):
+    """resume=never in a directory with checkpoints: they are moved aside, never mixed with the new
+    run's (a later `auto` must not pick the old run's step 4 over the new run's step 2)."""
+    run_meshlm(*train_args(corpus, tmp_path, steps=4))
+    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.resume=never", steps=2))
+    from meshlm.train.checkpoint.store import list_checkpoints
+
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_0000002"]
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert [p.name for p in list_checkpoints(aside)] == ["step_0000002", "step_0000004"]

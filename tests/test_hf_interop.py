@@ -96,10 +96,6 @@ def meshlm_model(model_cfg, weights) -> Llama:
     return model.eval()
 
 
-def hf_weights(hf) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in hf.state_dict().items()}
-
-
 # --------------------------------------------------------------------------- export
 
 
@@ -112,7 +108,7 @@ def test_export_loads_in_transformers_with_same_weights_and_logits(corpus, saved
     model_cfg = small_cfg(corpus, run_dir, 1, SAVED[layout][1][0]).model  # the tie setting
     tied = model_cfg.tie_embeddings
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
-    theirs = hf_weights(hf)
+    theirs = hf.state_dict()
     assert set(theirs) == {hf_name(k) for k in full} | ({"lm_head.weight"} if tied else set())
     for name, value in full.items():  # the weights the sharded run held, bit for bit
         assert torch.equal(theirs[hf_name(name)], value), name
@@ -215,7 +211,7 @@ def test_init_from_transformers_gives_every_layout_its_weights(corpus, tmp_path,
     args = (corpus, tmp_path, world, source, layout)
     full, logits, eval_loss, eval_set, step = (imported(*args) if world == 1
                                                else run_ranks(imported, world, *args, timeout=120)[0])
-    theirs = hf_weights(hf)
+    theirs = hf.state_dict()
     assert step == 0 and set(map(hf_name, full)) | ({"lm_head.weight"} if tied else set()) == set(theirs)
     for name, value in full.items():
         assert torch.equal(value, theirs[hf_name(name)]), name

@@ -116,6 +116,7 @@ def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], 
         if pretrained.n_ids > vocab_size:
             raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of data.tokenizer "
                               f"{pretrained.path} ({pretrained.n_ids} ids)")
+        key_fields["tokenizer"] = f"pretrained-sha256:{pretrained.sha256}:{pretrained.end_token}"
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     cache_dir = root / "tokens" / f"{corpus.label}-v{vocab_size}-{key}"
 

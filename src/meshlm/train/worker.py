@@ -29,7 +29,7 @@ def start_state(trainer: Trainer) -> None:
     """Where training starts: a checkpoint (checkpoint.resume), a model to fine-tune
     (model.init_from), or the seed's initialisation. Collective."""
     from meshlm.train.checkpoint import load_checkpoint
-    from meshlm.train.checkpoint.resume import choose
+    from meshlm.train.checkpoint.resume import choose, set_aside_old_checkpoints
 
     cfg = trainer.cfg
     path = choose(cfg, trainer.comm, trainer.ctx, warn=lambda m: trainer.metrics.print(f"warning: {m}"))
@@ -38,7 +38,11 @@ def start_state(trainer: Trainer) -> None:
         trainer.metrics.resume_at(trainer.step)
         trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
                               f"{_layout_text(meta['layout'])})")
-    elif cfg.model.init_from:
+    # This run continues its directory's newest checkpoint, or its checkpoints are not ours to mix with.
+    if trainer.ctx.rank == 0 and (aside := set_aside_old_checkpoints(cfg, keep_if_newest=path)) is not None:
+        trainer.metrics.print(f"moved the run directory's earlier checkpoints to {aside} (this run does not "
+                              f"continue from the newest of them)")
+    if path is None and cfg.model.init_from:
         from meshlm.train.checkpoint.hf import init_from
 
         init_from(trainer, Path(cfg.model.init_from))

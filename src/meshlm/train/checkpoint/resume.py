@@ -65,7 +65,11 @@ def precheck(cfg: Config, warn=print) -> Path | None:
             if problem:  # the ranks check every file again, and fall back the same way
                 warn(f"meshlm: warning: skipping checkpoint {path.name}: {problem}")
                 continue
-            check_compatible(path, cfg)
+            try:
+                check_compatible(path, cfg)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; run.dir={cfg.run.dir} holds another run's checkpoints: use "
+                                  f"checkpoint.resume=never or another run.dir") from None
             return path
         return None
     path = Path(mode)
@@ -115,3 +119,20 @@ def choose(cfg: Config, comm, ctx, warn) -> Path | None:
     if problem:
         raise CheckpointError(f"checkpoint.resume: {problem}")
     return candidates[0]
+
+
+def set_aside_old_checkpoints(cfg: Config, keep_if_newest: Path | None) -> Path | None:
+    """A run that does not continue from its directory's newest checkpoint (resume=never, or an
+    explicit older or foreign checkpoint) moves the directory's checkpoints to
+    `checkpoints.old-<time>` (never deleted): its own are then never mixed with, rotated against,
+    or later resumed in place of, another timeline's. Rank 0 only, after loading."""
+    import time
+
+    root = checkpoint_root(cfg)
+    found = list_checkpoints(root)
+    if not found or (keep_if_newest is not None and keep_if_newest.resolve() == found[-1].resolve()):
+        return None
+    aside = root.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(root, aside)
+    return aside
+
