@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm.config import ConfigError, load_config, resolve, to_toml
+from meshlm.config import ConfigError, RunError, load_config, resolve, to_toml
 
 
 def _fail_usage(message: str) -> int:
@@ -65,14 +65,9 @@ def cmd_train(args) -> int:
           + (f", resuming from {resume_from}" if resume_from else ""), flush=True)
     t0 = time.perf_counter()
     if world_size == 1 and args.max_restarts == 0:
-        from meshlm.train.checkpoint import CheckpointError
         from meshlm.train.worker import train_rank
 
-        try:
-            train_rank(cfg)
-        except CheckpointError as e:
-            print(f"meshlm: error: {e}", file=sys.stderr)
-            return 1
+        train_rank(cfg)  # a RunError (e.g. no usable checkpoint) is one line and exit 1, in main
     else:
         from meshlm.launch import launch
 
@@ -230,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except ConfigError as e:
         return _fail_usage(str(e))
+    except RunError as e:
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("meshlm: interrupted", file=sys.stderr)
         return 130

@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line that names the key."""
 
 
+class RunError(RuntimeError):
+    """A runtime failure the user can act on (e.g. no usable checkpoint): one line, exit 1."""
+
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"

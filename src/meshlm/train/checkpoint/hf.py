@@ -253,10 +253,10 @@ def init_from(trainer, path: Path) -> None:
     manifest first, all ranks hashing a share of its files."""
     path = Path(path)
     if is_meshlm_checkpoint(path):
-        from meshlm.train.checkpoint.resume import _verify_together
+        from meshlm.train.checkpoint.resume import verify_together
         from meshlm.train.checkpoint.store import CheckpointError
 
-        problem = _verify_together(path, trainer.comm, trainer.ctx)
+        problem = verify_together(path, trainer.comm, trainer.ctx)
         if problem:
             raise CheckpointError(f"model.init_from: {problem}")
     from meshlm.train.checkpoint.state import load_weights

@@ -94,7 +94,7 @@ def _small_files_problem(path: Path) -> str | None:
     return verify_files(path, [META], manifest)
 
 
-def _verify_together(path: Path, comm, ctx) -> str | None:
+def verify_together(path: Path, comm, ctx) -> str | None:
     """Every rank hashes every world_size-th file; all agree on the verdict. Rank 0 re-checks a
     bad checkpoint alone to name the file (the rare path)."""
     problem = verify(path, (ctx.rank, ctx.world_size))
@@ -111,11 +111,11 @@ def choose(cfg: Config, comm, ctx, warn) -> Path | None:
     if mode == "never":
         return None
     if mode == "auto":
-        return newest_good(checkpoint_root(cfg), lambda p: _verify_together(p, comm, ctx), warn)
+        return newest_good(checkpoint_root(cfg), lambda p: verify_together(p, comm, ctx), warn)
     candidates = explicit_candidates(Path(mode))
     if len(candidates) > 1:  # a run directory: its newest good checkpoint
-        return newest_good(candidates[0].parent, lambda p: _verify_together(p, comm, ctx), warn)
-    problem = _verify_together(candidates[0], comm, ctx)
+        return newest_good(candidates[0].parent, lambda p: verify_together(p, comm, ctx), warn)
+    problem = verify_together(candidates[0], comm, ctx)
     if problem:
         raise CheckpointError(f"checkpoint.resume: {problem}")
     return candidates[0]

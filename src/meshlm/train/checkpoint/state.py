@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 import meshlm
 from meshlm.config import ConfigError, to_toml
 from meshlm.train.checkpoint.pieces import Placement, Piece, canonical_shapes, placements, segment_pieces
 from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, clear_stale_temporaries, finalize,
-                                           rank_file, rotate, step_dir_name, write_bytes_synced)
+                                           rank_file, rotate, step_dir_name, write_bytes_synced,
+                                           write_tensors_synced)
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")  # the fp32 master weights and AdamW's moments
 OPTIMIZER_KINDS = KINDS[1:]
@@ -94,7 +94,7 @@ def _rank_payload(trainer) -> tuple[dict[str, torch.Tensor], list]:
             for piece in pieces:
                 key = f"{kind}/{piece.name}/{piece.rect.row},{piece.rect.col}"
                 value = piece.view(data) if data is not None else torch.zeros(piece.rect.rows, piece.rect.cols)
-                tensors[key] = value.detach().to("cpu", torch.float32).contiguous().clone()
+                tensors[key] = value.detach().to("cpu", torch.float32)  # written before training moves on
                 index.append([key, kind, piece.name, piece.rect.row, piece.rect.col, piece.rect.rows, piece.rect.cols])
     tensors["rng/cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
@@ -115,8 +115,7 @@ def save_checkpoint(trainer, root: Path, keep: int) -> SaveReport:
     comm.barrier()
     tensors, index = _rank_payload(trainer)
     metadata = {"pieces": json.dumps(index), "rank": str(ctx.rank), "coords": json.dumps(ctx.coords)}
-    entries = {rank_file(ctx.rank): write_bytes_synced(tmp / rank_file(ctx.rank),
-                                                       safetensors_bytes(tensors, metadata))}
+    entries = {rank_file(ctx.rank): write_tensors_synced(tmp / rank_file(ctx.rank), tensors, metadata)}
     if ctx.rank == 0:
         shapes = canonical_shapes(trainer.cfg.model)
         entries[META] = write_bytes_synced(tmp / META, json.dumps(_meta(trainer, shapes), indent=1).encode())

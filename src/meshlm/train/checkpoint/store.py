@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from meshlm.config import RunError
 from meshlm.train.checkpoint.pieces import Rect
 
 MANIFEST = "manifest.json"
@@ -36,7 +37,7 @@ FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint that cannot be used (missing, incomplete, corrupt); one line."""
 
 
@@ -76,6 +77,38 @@ def write_bytes_synced(path: Path, data: bytes) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_tensors_synced(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """Write `tensors` (CPU) as a safetensors file, hashing each tensor's bytes as they are written,
+    fsync it, and return its manifest entry. Hand-written (the format is an 8-byte header length,
+    a JSON header, the raw bytes) because safetensors' own writers either build the whole file as
+    one `bytes` object (a second copy of the shard: 4.7 s for 1.2 GB here) or write it without
+    letting us hash on the way (a second pass over the file). Read back with safetensors itself."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = metadata
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for block in (len(head).to_bytes(8, "little"), head):
+            f.write(block)
+            digest.update(block)
+        for t in tensors.values():
+            raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(raw)
+            digest.update(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
 
 
 # --------------------------------------------------------------------------- finishing a save
