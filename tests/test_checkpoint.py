@@ -137,3 +137,46 @@ def test_stored_tensors_equal_the_gathered_weights(corpus, tmp_path, layout):
     pairs = run_ranks(saved_state, world, corpus, tmp_path, world, [*UNTIED, *extra], timeout=240)[0]
     for name, (stored, gathered) in pairs.items():
         assert torch.equal(stored, gathered), name
+
+
+def train_with_background_save(corpus, run_dir, world_size, extra):
+    """Save at step SAVE_AT in the background; the writing thread is held until training has run
+    another step (so a save that wrote views of the live state instead of a copy would be caught)."""
+    import threading
+
+    from meshlm.train.checkpoint import state
+
+    moved_on = threading.Event()
+    write_rank = state._write_rank
+
+    def held_write(*args):
+        assert moved_on.wait(60)
+        return write_rank(*args)
+
+    state._write_rank = held_write
+    try:
+        trainer = build_trainer(small_cfg(corpus, run_dir, world_size, *extra, steps=STEPS))
+        losses = []
+        while trainer.step < STEPS:
+            losses.append(trainer.train_step().loss)
+            if trainer.step == SAVE_AT:
+                report = state.save_checkpoint(trainer, run_dir / "checkpoints", keep=2, background=True)
+                assert trainer.pending_save is not None and report.seconds >= 0
+            elif trainer.step > SAVE_AT:
+                moved_on.set()
+        state.wait_for_save(trainer)
+    finally:
+        state._write_rank = write_rank
+    return losses, trainer.ctx.rank
+
+
+@pytest.mark.parametrize("layout", ["single", "dp2-zero3"])
+def test_background_save_holds_the_state_of_its_step(corpus, tmp_path, layout):
+    """The state is copied before training moves on: resuming the background checkpoint of step 2
+    replays steps 3-5 exactly, though they ran while it was being written."""
+    world, extra = LAYOUTS[layout]
+    args = (corpus, tmp_path, world, [*UNTIED, *extra])
+    results = [train_with_background_save(*args)] if world == 1 else run_ranks(train_with_background_save, world, *args)
+    straight = results[0][0]
+    rest = segment(corpus, tmp_path / "again", layout, UNTIED, start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
+    assert straight[SAVE_AT:] == rest

@@ -115,6 +115,9 @@ class CheckpointConfig:
     # auto: continue from the newest good checkpoint in run.dir/checkpoints if there is one;
     # never: start fresh; or a checkpoint directory (or a run directory: its newest) to load.
     resume: str = "auto"
+    # Copy the state, then write, hash and fsync it on a background thread while training goes on
+    # (training is blocked only for the copy); off: training waits for the whole save.
+    async_save: bool = False
     # After SIGTERM/SIGINT a rank saves at the next step boundary; past this many seconds it
     # exits without saving (torchrun SIGKILLs its workers 30 s after forwarding the signal).
     stop_timeout_s: float = 25.0

@@ -81,6 +81,7 @@ class Trainer:
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
         self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
+        self.pending_save = None  # a checkpoint.state.BackgroundSave in flight (checkpoint.async_save)
 
     # ------------------------------------------------------------------ setup
 
@@ -223,8 +224,9 @@ class Trainer:
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row["eval_loss"] = self.evaluate()
             stop = self.stop_signals is not None and self.stop_signals.requested(self.comm)
-            if self._checkpoint_due() or stop:
-                row["checkpoint_s"] = self.save_checkpoint().seconds
+            if self._checkpoint_due() or stop:  # the last one in the foreground: the run ends with it
+                last = stop or self.step == cfg.steps
+                row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
@@ -234,6 +236,7 @@ class Trainer:
                 self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); "
                                    f"checkpoint {self.last_checkpoint.path}")
                 break
+        self.wait_for_checkpoint()
         if self.ctx.world_size > 1:
             self.metrics.print(self.comm.format_summary(f"communication on rank {self.ctx.rank} ({cfg.steps} steps)"))
         self.comm.recorder.write(self.run_dir / "logs" / f"comm_rank{self.ctx.rank}.jsonl")
@@ -245,16 +248,26 @@ class Trainer:
         interval = self.cfg.checkpoint.interval
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
-    def save_checkpoint(self):
+    def save_checkpoint(self, background: bool = False):
         """Every rank writes its shard of the state at the current step (collective); see
-        train/checkpoint/. Returns the SaveReport (path, seconds blocked, bytes)."""
+        train/checkpoint/. Returns the SaveReport (path, seconds training was blocked, bytes)."""
         from meshlm.train.checkpoint import save_checkpoint
         from meshlm.train.metrics import format_bytes
 
-        report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep)
+        report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep, background=background)
         self.last_checkpoint = report
-        self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} in {report.seconds:.2f} s")
+        if background:
+            self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} (rank 0) copied in "
+                               f"{report.seconds:.2f} s, written in the background")
+        else:
+            self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} in {report.seconds:.2f} s")
         return report
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish a background save on every rank (collective); a no-op when none is in flight."""
+        from meshlm.train.checkpoint.state import wait_for_save
+
+        wait_for_save(self)
 
     def _inject_fault(self) -> None:
         """debug.fault=kill: the chosen rank dies by SIGKILL after the chosen step (first attempt only)."""

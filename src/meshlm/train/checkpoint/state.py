@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,9 @@ def _meta(trainer, shapes) -> dict:
             "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _rank_payload(trainer) -> tuple[dict[str, torch.Tensor], list]:
-    """This rank's tensors (the pieces it writes, its RNG states) and their index."""
+def _rank_payload(trainer, snapshot: bool) -> tuple[dict[str, torch.Tensor], list]:
+    """This rank's tensors (the pieces it writes, its RNG states) and their index. `snapshot`:
+    copies that training may not change (an async save), else views where they are on the CPU."""
     tensors, index = {}, []
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
     for seg, placement, pieces in owned_pieces(trainer):
@@ -94,7 +96,8 @@ def _rank_payload(trainer) -> tuple[dict[str, torch.Tensor], list]:
             for piece in pieces:
                 key = f"{kind}/{piece.name}/{piece.rect.row},{piece.rect.col}"
                 value = piece.view(data) if data is not None else torch.zeros(piece.rect.rows, piece.rect.cols)
-                tensors[key] = value.detach().to("cpu", torch.float32)  # written before training moves on
+                copy = value.detach().to("cpu", torch.float32)  # from a GPU: already a copy
+                tensors[key] = copy.clone() if snapshot and copy.data_ptr() == value.data_ptr() else copy
                 index.append([key, kind, piece.name, piece.rect.row, piece.rect.col, piece.rect.rows, piece.rect.cols])
     tensors["rng/cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
@@ -102,10 +105,83 @@ def _rank_payload(trainer) -> tuple[dict[str, torch.Tensor], list]:
     return tensors, index
 
 
-def save_checkpoint(trainer, root: Path, keep: int) -> SaveReport:
+def _rank0_files(trainer) -> dict[str, bytes]:
+    """The files only rank 0 writes, as bytes taken now (the step they describe)."""
+    shapes = canonical_shapes(trainer.cfg.model)
+    return {META: json.dumps(_meta(trainer, shapes), indent=1).encode(),
+            "config.toml": to_toml(trainer.cfg).encode(),
+            "tokenizer.json": Path(trainer.data.tokenizer_path).read_bytes()}
+
+
+def _entries_file(tmp: Path, rank: int) -> Path:
+    return tmp / f"rank{rank:05d}.entries.json"
+
+
+def _write_rank(tmp: Path, rank: int, tensors, metadata, extra_files: dict[str, bytes]) -> None:
+    """This rank's files, then its manifest entries (renamed into place: rank 0 may be polling).
+    The entries reach rank 0 through the shared checkpoint directory, not a collective, so this
+    can run on a background thread."""
+    entries = {rank_file(rank): write_tensors_synced(tmp / rank_file(rank), tensors, metadata)}
+    for name, data in extra_files.items():
+        entries[name] = write_bytes_synced(tmp / name, data)
+    part = _entries_file(tmp, rank).with_suffix(".part")
+    write_bytes_synced(part, json.dumps(entries).encode())
+    os.replace(part, _entries_file(tmp, rank))
+
+
+def _finish(tmp: Path, final: Path, world_size: int, step: int, keep: int, timeout_s: float) -> int:
+    """Rank 0: wait for every rank's entries, write the manifest, rename, rotate. Returns bytes."""
+    deadline = time.monotonic() + timeout_s
+    paths = [_entries_file(tmp, r) for r in range(world_size)]
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            raise CheckpointError(f"{tmp}: no {missing[0]} after {timeout_s:.0f} s (a rank failed mid-save)")
+        time.sleep(0.01)
+    everything = {}
+    for p in paths:
+        everything.update(json.loads(p.read_text()))
+        p.unlink()
+    finalize(tmp, final, everything, step)
+    rotate(final.parent, keep)
+    return sum(e["bytes"] for e in everything.values())
+
+
+class BackgroundSave:
+    """A save finishing on a thread (`checkpoint.async_save`): files, hashes, fsyncs and (rank 0)
+    the manifest and rename, while training goes on. At most one is in flight per rank."""
+
+    def __init__(self, work) -> None:
+        self.error: BaseException | None = None
+        self.result = 0
+
+        def run():
+            try:
+                self.result = work()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="meshlm-checkpoint", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> int:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def save_checkpoint(trainer, root: Path, keep: int, background: bool = False,
+                    timeout_s: float = 1800.0) -> SaveReport:
     """Write the trainer's state at its current step into `root/step_NNNNNNN/` (collective).
-    Every rank writes its own file; rank 0 writes the rest and, last, the manifest."""
+    Every rank writes its own file; rank 0 writes the rest and, last, the manifest.
+
+    `background`: return once the state is copied; the writing finishes on a thread (call
+    `wait_for_save(trainer)` before exiting). The report's `seconds` is the time training was
+    blocked either way; `bytes` is this rank's share for a background save (the total is not
+    known yet)."""
     t0 = time.perf_counter()
+    wait_for_save(trainer, barrier=False)  # one save in flight at a time
     ctx, comm, step = trainer.ctx, trainer.comm, trainer.step
     tmp, final = root / f".tmp_{step_dir_name(step)}", root / step_dir_name(step)
     if ctx.rank == 0:
@@ -113,33 +189,34 @@ def save_checkpoint(trainer, root: Path, keep: int) -> SaveReport:
         clear_stale_temporaries(root)
         tmp.mkdir()
     comm.barrier()
-    tensors, index = _rank_payload(trainer)
+    tensors, index = _rank_payload(trainer, snapshot=background)
     metadata = {"pieces": json.dumps(index), "rank": str(ctx.rank), "coords": json.dumps(ctx.coords)}
-    entries = {rank_file(ctx.rank): write_tensors_synced(tmp / rank_file(ctx.rank), tensors, metadata)}
-    if ctx.rank == 0:
-        shapes = canonical_shapes(trainer.cfg.model)
-        entries[META] = write_bytes_synced(tmp / META, json.dumps(_meta(trainer, shapes), indent=1).encode())
-        entries["config.toml"] = write_bytes_synced(tmp / "config.toml", to_toml(trainer.cfg).encode())
-        tokenizer = Path(trainer.data.tokenizer_path).read_bytes()
-        entries["tokenizer.json"] = write_bytes_synced(tmp / "tokenizer.json", tokenizer)
-    # The ranks' manifest entries reach rank 0 through the (shared) checkpoint directory.
-    write_bytes_synced(tmp / f"rank{ctx.rank:05d}.entries.json", json.dumps(entries).encode())
-    comm.barrier()
-    if ctx.rank == 0:
-        everything = {}
-        for r in range(ctx.world_size):
-            part = tmp / f"rank{r:05d}.entries.json"
-            everything.update(json.loads(part.read_text()))
-            part.unlink()
-        finalize(tmp, final, everything, step)
-        rotate(root, keep)
-        total = sum(e["bytes"] for e in everything.values())
-    else:
-        total = 0
+    extra = _rank0_files(trainer) if ctx.rank == 0 else {}
+
+    def work() -> int:
+        _write_rank(tmp, ctx.rank, tensors, metadata, extra)
+        return _finish(tmp, final, ctx.world_size, step, keep, timeout_s) if ctx.rank == 0 else 0
+
+    if background:
+        trainer.pending_save = BackgroundSave(work)
+        mine = sum(t.numel() * t.element_size() for t in tensors.values())
+        return SaveReport(final, time.perf_counter() - t0, mine)
+    total = work()  # rank 0 waits for the others' entries inside
     comm.barrier()  # every rank returns once the checkpoint is in place
     bytes_total = torch.tensor([float(total)], dtype=torch.float64, device=trainer.device)
     comm.all_reduce(bytes_total, "world")
     return SaveReport(final, time.perf_counter() - t0, int(bytes_total.item()))
+
+
+def wait_for_save(trainer, barrier: bool = True) -> None:
+    """Finish a background save on this rank; with `barrier`, on every rank (collective): after
+    it the checkpoint is complete on disk."""
+    pending = getattr(trainer, "pending_save", None)
+    if pending is not None:
+        trainer.pending_save = None
+        pending.wait()
+    if barrier and pending is not None:
+        trainer.comm.barrier()
 
 
 # --------------------------------------------------------------------------- loading
@@ -215,7 +292,3 @@ def load_checkpoint(trainer, path: Path) -> dict:
                               f"match step {trainer.step}")
     restore_rng(trainer, reader)
     return reader.meta
-
-
-def copy_tokenizer(path: Path, out: Path) -> None:
-    shutil.copyfile(Path(path) / "tokenizer.json", out)
