@@ -7,6 +7,7 @@ For each preset, after one training step (so AdamW has its state), on one proces
   `load_checkpoint` into a fresh trainer;
 - DCP: `torch.distributed.checkpoint.save`/`load` of the same model and optimizer state dicts;
 and meshlm under dp2-zero3 (2 forked ranks, each writing its half). Medians over `--repeats`.
+Then `checkpoint.async_save`: the time training is blocked, and what the overlapped steps lose.
 """
 
 from __future__ import annotations
@@ -55,6 +56,32 @@ def meshlm_times(preset: str, root: Path, repeats: int, world: int = 1, *extra: 
             "params": sum(p.numel() for p in trainer.model.parameters()), "rank": trainer.ctx.rank}
 
 
+def async_times(preset: str, root: Path) -> dict:
+    """checkpoint.async_save: training blocked for the copy only; the steps that overlap the
+    background write, against steps without one."""
+    from meshlm.train.checkpoint.state import save_checkpoint, wait_for_save
+
+    trainer = trainer_for(preset, root / "run", 1)
+
+    def step_time() -> float:
+        t0 = time.perf_counter()
+        trainer.train_step()
+        return time.perf_counter() - t0
+
+    quiet = statistics.median(step_time() for _ in range(3))
+    t0 = time.perf_counter()
+    report = save_checkpoint(trainer, root / "run" / "checkpoints", keep=1, background=True)
+    overlapped = []
+    while trainer.pending_save.thread.is_alive():
+        overlapped.append(step_time())
+    written = time.perf_counter() - t0
+    wait_for_save(trainer)
+    sync = save_checkpoint(trainer, root / "run" / "checkpoints", keep=1).seconds
+    extra = sum(overlapped) - quiet * len(overlapped)  # what the steps lost to the writer thread
+    return {"blocked_s": report.seconds, "sync_s": sync, "written_s": written, "steps": len(overlapped),
+            "step_s": quiet, "slowdown_s": extra}
+
+
 def dcp_times(preset: str, root: Path, repeats: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -94,6 +121,15 @@ def main(argv=None) -> int:
         zero3 = run_ranks(meshlm_times, 2, preset, root / "zero3", args.repeats, 2, "parallel.zero=3", timeout=1800)[0]
         print(f"| {preset} | {ours['params'] / 1e6:.1f}M | dp2-zero3 (2 ranks) | {zero3['save_s']:.3f} | "
               f"{zero3['load_s']:.3f} | {zero3['bytes'] / 2**20:.1f} | | | |", flush=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n| preset | sync save: blocked s | async save: blocked s | written after s | steps overlapped | "
+          "their extra time s | step s |")
+    print("|---|---|---|---|---|---|---|")
+    for preset in args.presets.split(","):
+        root = Path(args.dir) / preset
+        a = async_times(preset, root / "async")
+        print(f"| {preset} | {a['sync_s']:.3f} | {a['blocked_s']:.3f} | {a['written_s']:.3f} | {a['steps']} | "
+              f"{a['slowdown_s']:.3f} | {a['step_s']:.3f} |", flush=True)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

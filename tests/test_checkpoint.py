@@ -30,6 +30,9 @@ LAYOUTS = {
     "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"]),
     "dp2-tp2-zero1": (4, ["parallel.tp=2", "parallel.zero=1"]),
     "dp2-pp2-zero2": (4, ["parallel.pp=2", "parallel.zero=2"]),
+    # bf16 parameters with fp32 masters: the masters are saved, the bf16 copies recomputed on load
+    "dp2-zero1-bf16": (2, ["parallel.zero=1", "train.dtype=bfloat16"]),
+    "dp2-zero3-bf16": (2, ["parallel.zero=3", "train.dtype=bfloat16"]),
 }
 
 
@@ -74,7 +77,8 @@ def test_single_process_resume_is_bitwise_exact(corpus, tmp_path, reference):
     assert first + rest == reference["untied"]  # tolerance 0
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved"])
+@pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved", "dp2-zero1-bf16",
+                                    "dp2-zero3-bf16"])
 def test_same_layout_resume_is_bitwise_exact(corpus, tmp_path, layout):
     straight = segment(corpus, tmp_path / "straight", layout, UNTIED)
     first = segment(corpus, tmp_path, layout, UNTIED, stop=SAVE_AT, save=True)
