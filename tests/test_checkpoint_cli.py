@@ -142,26 +142,35 @@ def test_no_good_checkpoint_is_exit_1_in_one_line(corpus, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def one_line_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+def one_line_error(capsys, args, *fragments):
+    """`meshlm ARGS` through meshlm.cli.main in this process (each case fails before any rank or
+    data work, so no interpreter start is needed): exit 2 and one line naming what is wrong."""
+    from meshlm.cli import main
+
+    capsys.readouterr()
+    assert main(list(args)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshlm: error: "), lines
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
 
 
-def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path):
+def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys):
     run_meshlm(*train_args(corpus, tmp_path / "run", steps=2))
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
-    one_line_error(meshlm(*train_args(corpus, tmp_path / "a", f"checkpoint.resume={tmp_path}")), "no manifest.json")
-    one_line_error(meshlm(*train_args(corpus, tmp_path / "b", f"checkpoint.resume={tmp_path / 'nope'}")),
+    one_line_error(capsys, train_args(corpus, tmp_path / "a", f"checkpoint.resume={tmp_path}"), "no manifest.json")
+    one_line_error(capsys, train_args(corpus, tmp_path / "b", f"checkpoint.resume={tmp_path / 'nope'}"),
                    "checkpoint.resume", "does not exist")
-    one_line_error(meshlm(*train_args(corpus, tmp_path / "c", f"checkpoint.resume={ckpt}", "model.dim=128")),
+    one_line_error(capsys, train_args(corpus, tmp_path / "c", f"checkpoint.resume={ckpt}", "model.dim=128"),
                    "tok_embeddings.weight", "[512, 64]")
-    one_line_error(meshlm(*train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}",
-                                      "train.global_batch_size=16")), "train.global_batch_size")
-    one_line_error(meshlm(*train_args(corpus, tmp_path / "e", "checkpoint.interval=-1")), "checkpoint.interval")
+    one_line_error(capsys, train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}",
+                                      "train.global_batch_size=16"), "train.global_batch_size")
+    one_line_error(capsys, train_args(corpus, tmp_path / "e", "checkpoint.interval=-1"), "checkpoint.interval")
+    # the run directory's own checkpoints of another model: auto names the tensor and the way out
+    one_line_error(capsys, train_args(corpus, tmp_path / "run", "model.n_layers=3"), "layers.2", "checkpoint.resume=never")
     assert json.loads((ckpt / "manifest.json").read_text())["step"] == 2  # untouched by any of it
+    proc = meshlm(*train_args(corpus, tmp_path / "f", "checkpoint.interval=-1"))  # and through a real process
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "checkpoint.interval" in proc.stderr
 
 
 def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path):

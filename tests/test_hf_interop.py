@@ -161,6 +161,11 @@ def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path):
     out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n_new)
     assert out.shape[1] == prompt.shape[1] + n_new
     assert tok.decode(out[0]) == ours
+    # and back: `meshlm import` of the export generates the same text
+    run_meshlm("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    again = run_meshlm("generate", "--checkpoint", str(tmp_path / "back"), "--prompt", "ROMEO:", "--temperature", "0",
+                       "--max-new-tokens", str(n_new)).stdout[:-1]
+    assert again == ours
 
 
 # --------------------------------------------------------------------------- import

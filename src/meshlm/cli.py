@@ -169,6 +169,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _import_parser(sub) -> None:
+    p = sub.add_parser("import", help="a Hugging Face Llama directory as a meshlm final/ directory",
+                       description="Write RUN_DIR/final/ (meshlm's weights, tokenizer and config) from a Hugging "
+                                   "Face Llama directory, for meshlm generate. To train from one, use "
+                                   "meshlm train model.init_from=DIR.")
+    p.add_argument("--hf", required=True, help="a Hugging Face Llama directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--out", required=True, help="the run directory to write final/ into")
+
+
+def cmd_import(args) -> int:
+    from meshlm.train.checkpoint.hf import import_hf
+
+    final = import_hf(Path(args.hf), Path(args.out))
+    print(f"meshlm: imported {args.hf} to {final}")
+    return 0
+
+
 # --------------------------------------------------------------------------- bench
 
 
@@ -216,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _generate_parser(sub)
     _export_parser(sub)
+    _import_parser(sub)
     _bench_parser(sub)
     _simulate_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
+    commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
                 "simulate": cmd_simulate}
     try:
         return commands[args.command](args)

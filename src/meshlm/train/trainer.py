@@ -223,6 +223,10 @@ class Trainer:
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row["eval_loss"] = self.evaluate()
+            done = self.pending_save
+            if done is not None and not done.reported and not done.thread.is_alive():
+                row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished
+                done.reported = True
             stop = self.stop_signals is not None and self.stop_signals.requested(self.comm)
             if self._checkpoint_due() or stop:  # the last one in the foreground: the run ends with it
                 last = stop or self.step == cfg.steps

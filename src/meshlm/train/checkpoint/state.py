@@ -151,15 +151,20 @@ class BackgroundSave:
     """A save finishing on a thread (`checkpoint.async_save`): files, hashes, fsyncs and (rank 0)
     the manifest and rename, while training goes on. At most one is in flight per rank."""
 
-    def __init__(self, work) -> None:
+    def __init__(self, work, path: Path) -> None:
+        self.path = path
         self.error: BaseException | None = None
         self.result = 0
+        self.seconds = 0.0  # how long the writing took, once done
+        self.reported = False  # the trainer put `seconds` in a metrics row
+        start = time.perf_counter()
 
         def run():
             try:
                 self.result = work()
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
                 self.error = e
+            self.seconds = time.perf_counter() - start
 
         self.thread = threading.Thread(target=run, name="meshlm-checkpoint", daemon=True)
         self.thread.start()
@@ -198,7 +203,7 @@ def save_checkpoint(trainer, root: Path, keep: int, background: bool = False,
         return _finish(tmp, final, ctx.world_size, step, keep, timeout_s) if ctx.rank == 0 else 0
 
     if background:
-        trainer.pending_save = BackgroundSave(work)
+        trainer.pending_save = BackgroundSave(work, final)
         mine = sum(t.numel() * t.element_size() for t in tensors.values())
         return SaveReport(final, time.perf_counter() - t0, mine)
     total = work()  # rank 0 waits for the others' entries inside
