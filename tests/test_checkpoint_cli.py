@@ -87,16 +87,17 @@ def wait_for_steps(run_dir, n: int, proc, timeout=120) -> None:
     raise AssertionError("training did not reach the step")
 
 
-def test_sigterm_saves_at_the_next_step_and_exits_zero(corpus, tmp_path):
+@pytest.mark.parametrize("sig,name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_signal_saves_at_the_next_step_and_exits_zero(corpus, tmp_path, sig, name):
     proc = start_training(corpus, tmp_path)
     wait_for_steps(tmp_path, 2, proc)
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     assert time.time() - t0 < 30
     stopped_at = len(read_metrics(tmp_path))
-    assert f"stopped by SIGTERM after step {stopped_at}" in out
+    assert f"stopped by {name} after step {stopped_at}" in out
     assert (tmp_path / "checkpoints" / f"step_{stopped_at:07d}" / "manifest.json").exists()
     assert not (tmp_path / "final").exists()  # not finished: the checkpoint is the result
     no_rank_left(tmp_path)
@@ -183,3 +184,18 @@ def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_0000002"]
     (aside,) = tmp_path.glob("checkpoints.old-*")
     assert [p.name for p in list_checkpoints(aside)] == ["step_0000002", "step_0000004"]
+
+
+def test_async_save_through_the_trainer(corpus, tmp_path, straight):
+    """checkpoint.async_save: the same losses, complete checkpoints, and each background save's
+    duration reported in a later step's row."""
+    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.async_save=true", "checkpoint.keep=3"))
+    assert losses(tmp_path) == straight
+    rows = read_metrics(tmp_path)
+    assert all("checkpoint_s" in rows[s - 1] for s in (2, 4, 6))
+    assert any("checkpoint_write_s" in r for r in rows[2:])
+    from meshlm.train.checkpoint.store import list_checkpoints, verify
+
+    found = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in found] == ["step_0000002", "step_0000004", "step_0000006"]
+    assert all(verify(p) is None for p in found)

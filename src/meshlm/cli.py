@@ -64,6 +64,7 @@ def cmd_train(args) -> int:
           f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}"
           + (f", resuming from {resume_from}" if resume_from else ""), flush=True)
     t0 = time.perf_counter()
+    interrupted = False  # Ctrl-C reached the launcher, which sent the ranks SIGTERM (launch.py)
     if world_size == 1 and args.max_restarts == 0:
         from meshlm.train.worker import train_rank
 
@@ -71,13 +72,17 @@ def cmd_train(args) -> int:
     else:
         from meshlm.launch import launch
 
+        (run_dir / "preempted.json").unlink(missing_ok=True)  # only this run's ranks may leave one
         code = launch(args.nproc, "meshlm.train.worker", ["--config", str(run_dir / "config.toml")],
                       nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                       max_restarts=args.max_restarts)
         if code and not (run_dir / "preempted.json").exists():
             return code
+        interrupted = code == 130
     preempted = _read_preempted(run_dir)
     if preempted:
+        if interrupted:
+            preempted["signal"] = "Ctrl-C"
         print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
               f"{preempted['checkpoint']}; run the same command again to continue")
         return 0
