@@ -87,12 +87,23 @@ def wait_for_steps(run_dir, n: int, proc, timeout=120) -> None:
     raise AssertionError("training did not reach the step")
 
 
-@pytest.mark.parametrize("sig,name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
-def test_a_signal_saves_at_the_next_step_and_exits_zero(corpus, tmp_path, sig, name):
+def worker_pids(run_dir) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", f"meshlm.train.worker --config {run_dir}"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+@pytest.mark.parametrize("sig,name,target", [(signal.SIGTERM, "SIGTERM", "launcher"), (signal.SIGINT, "Ctrl-C", "launcher"),
+                                             (signal.SIGTERM, "SIGTERM", "one rank")])
+def test_a_signal_saves_at_the_next_step_and_exits_zero(corpus, tmp_path, sig, name, target):
+    """To the launcher (torchrun forwards it), or to one rank only (the ranks agree after each
+    step, so the other stops after the same step instead of waiting in a collective forever)."""
     proc = start_training(corpus, tmp_path)
     wait_for_steps(tmp_path, 2, proc)
     t0 = time.time()
-    proc.send_signal(sig)
+    if target == "launcher":
+        proc.send_signal(sig)
+    else:
+        os.kill(worker_pids(tmp_path)[-1], sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     assert time.time() - t0 < 30

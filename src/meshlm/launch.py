@@ -8,6 +8,7 @@ WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, and tears every rank down if one fa
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -31,10 +32,10 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
 
     SIGTERM to this process: torchrun's agent forwards it to the ranks (they save at the next step
     boundary and exit 0, train/preemption.py) and waits up to 30 s for them. Ctrl-C (SIGINT) is
-    left to Python here, so it interrupts the agent's loop, whose clean-up sends the ranks SIGTERM
-    and waits the same way; a second Ctrl-C interrupts that wait, this process returns at once and
-    the ranks die with it (`die_with_parent`). (Were SIGINT the agent's, its handler would swallow
-    the second one and wait the full 30 s.)"""
+    not the agent's: the first one interrupts the agent's loop, whose clean-up sends the ranks
+    SIGTERM and waits the same way; a second one ends this process at once, and the ranks die with
+    it (`die_with_parent`). (Were SIGINT the agent's, its handler would swallow the second one and
+    wait the full 30 s.)"""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -45,6 +46,17 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     # The launcher already used the tokenizers thread pool; ranks need none of it.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = get_args_parser().parse_args(torchrun_args(nproc, module, module_args, **kwargs))
+    presses = 0
+
+    def on_ctrl_c(_signum, _frame):
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            print("meshlm: second Ctrl-C: exiting now; the ranks stop without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         run(args)
     except ChildFailedError as e:
@@ -57,4 +69,6 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     except KeyboardInterrupt:
         print("meshlm: interrupted: ranks stopped", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0

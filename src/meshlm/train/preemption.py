@@ -84,9 +84,10 @@ class StopSignals:
               f"a checkpoint", file=sys.stderr, flush=True)
         os._exit(1)
 
-    def requested(self, comm) -> bool:
-        """Whether any rank was signalled (collective: every rank calls it after every step)."""
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=comm.ctx.device)
+    def requested(self, comm) -> signal.Signals | None:
+        """The signal any rank received (the highest-numbered, if several), or None (collective:
+        every rank calls it after every step)."""
+        number = torch.tensor([0.0 if self.received is None else float(self.received)], device=comm.ctx.device)
         if comm.ctx.world_size > 1:
-            comm.all_reduce(flag, "world", op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+            comm.all_reduce(number, "world", op=torch.distributed.ReduceOp.MAX)
+        return signal.Signals(int(number.item())) if number.item() else None

@@ -227,16 +227,16 @@ class Trainer:
             if done is not None and not done.reported and not done.thread.is_alive():
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished
                 done.reported = True
-            stop = self.stop_signals is not None and self.stop_signals.requested(self.comm)
+            stop = self.stop_signals.requested(self.comm) if self.stop_signals is not None else None
             if self._checkpoint_due() or stop:  # the last one in the foreground: the run ends with it
-                last = stop or self.step == cfg.steps
+                last = stop is not None or self.step == cfg.steps
                 row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
             self._inject_fault()
             if stop:
-                self.stopped_by = self.stop_signals.received.name if self.stop_signals.received else "signal"
+                self.stopped_by = stop.name
                 self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); "
                                    f"checkpoint {self.last_checkpoint.path}")
                 break
