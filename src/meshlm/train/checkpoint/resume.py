@@ -44,6 +44,7 @@ def check_compatible(path: Path, cfg: Config) -> None:
 
     reader = CheckpointReader(path)
     check_shapes(reader, cfg.model)
+    _warn_if_schedule_changed(path, cfg)
     data = reader.meta["data"]
     for key, ours in (("seed", cfg.run.seed), ("seq_len", cfg.train.seq_len),
                       ("global_batch_size", cfg.train.global_batch_size)):
@@ -51,6 +52,22 @@ def check_compatible(path: Path, cfg: Config) -> None:
             section = "run" if key == "seed" else "train"
             raise ConfigError(f"{section}.{key}: {ours}, but checkpoint {path} was trained with {data[key]}; "
                               f"resuming would not replay the same batches")
+
+
+def _warn_if_schedule_changed(path: Path, cfg: Config) -> None:
+    """A resume may change the schedule (e.g. more steps), but then the curve is not the one the
+    saved run would have followed: say so, naming the keys."""
+    import sys
+
+    from meshlm.config import load_config
+
+    saved = load_config(str(path / "config.toml")).train
+    changed = [f"train.{k} {getattr(saved, k)} -> {getattr(cfg.train, k)}"
+               for k in ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
+               if getattr(saved, k) != getattr(cfg.train, k)]
+    if changed:
+        print(f"meshlm: warning: resuming {path.name} with another schedule ({', '.join(changed)}): the curve "
+              f"continues from the checkpoint but is not the saved run's", file=sys.stderr)
 
 
 def precheck(cfg: Config, warn=print) -> Path | None:
