@@ -44,7 +44,6 @@ def check_compatible(path: Path, cfg: Config) -> None:
 
     reader = CheckpointReader(path)
     check_shapes(reader, cfg.model)
-    _warn_if_schedule_changed(path, cfg)
     data = reader.meta["data"]
     for key, ours in (("seed", cfg.run.seed), ("seq_len", cfg.train.seq_len),
                       ("global_batch_size", cfg.train.global_batch_size)):
@@ -52,6 +51,7 @@ def check_compatible(path: Path, cfg: Config) -> None:
             section = "run" if key == "seed" else "train"
             raise ConfigError(f"{section}.{key}: {ours}, but checkpoint {path} was trained with {data[key]}; "
                               f"resuming would not replay the same batches")
+    _warn_if_schedule_changed(path, cfg)  # last: only a resume that goes ahead warns
 
 
 def _warn_if_schedule_changed(path: Path, cfg: Config) -> None:
