@@ -14,6 +14,8 @@ STEPS = 5
 SAVE_AT = 2
 UNTIED = ["model.n_layers=4", "model.tie_embeddings=false"]  # ZeRO + PP needs untied embeddings
 TIED = ["model.n_layers=4", "model.tie_embeddings=true"]
+PADDED = ["model.n_layers=4", "model.tie_embeddings=true", "model.vocab_size=509"]  # tp2 pads the vocabulary to 510
+MODELS = {"untied": UNTIED, "tied": TIED, "padded": PADDED}
 
 LAYOUTS = {
     "single": (1, []),
@@ -66,8 +68,7 @@ def segment(corpus, run_dir, layout, model, start=None, stop=STEPS, save=False):
 def reference(corpus, tmp_path_factory):
     """The uninterrupted single-process loss curves (untied and tied model)."""
     root = tmp_path_factory.mktemp("reference")
-    return {"untied": segment(corpus, root / "u", "single", UNTIED),
-            "tied": segment(corpus, root / "t", "single", TIED)}
+    return {name: segment(corpus, root / name, "single", extra) for name, extra in MODELS.items()}
 
 
 def test_single_process_resume_is_bitwise_exact(corpus, tmp_path, reference):
@@ -100,12 +101,14 @@ RESHARD = [
     ("pp2-1f1b", "tp2", "tied"),  # the last stage's copy of the tied embedding is not saved, but loaded
     ("tp2", "pp2-interleaved", "tied"),
     ("dp2-zero3", "single", "tied"),
+    ("tp2", "dp2-zero3", "padded"),  # the padding row is never stored, and not expected back
+    ("single", "tp2-pp2", "padded"),
 ]
 
 
 @pytest.mark.parametrize("saved,loaded,model", RESHARD, ids=[f"{a}->{b}-{m}" for a, b, m in RESHARD])
 def test_reshard_continues_the_single_process_curve(corpus, tmp_path, reference, saved, loaded, model):
-    extra = UNTIED if model == "untied" else TIED
+    extra = MODELS[model]
     first = segment(corpus, tmp_path, saved, extra, stop=SAVE_AT, save=True)
     rest = segment(corpus, tmp_path / "again", loaded, extra, start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
     assert first + rest == pytest.approx(reference[model], abs=1e-5, rel=0)

@@ -69,8 +69,12 @@ class PipelineStageModel(nn.Module):
             if self.cfg.tie_embeddings and not self.holds_embedding:
                 # The head is the embedding matrix; this stage gets its own copy. Both copies see
                 # the same summed gradient and the same AdamW update, so they stay equal.
-                weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
+                original = model.tok_embeddings.weight
+                weight = nn.Parameter(original.detach().clone())
                 weight.meshlm_pp_duplicate = True  # counted once in the grad norm (data_parallel.py)
+                for attr in ("meshlm_tp_sharded", "meshlm_tp_dim", "meshlm_tp_full_size"):  # which tp slice it is
+                    if hasattr(original, attr):
+                        setattr(weight, attr, getattr(original, attr))
                 self.output.weight = weight
 
     def is_first(self, chunk: int) -> bool:
