@@ -32,6 +32,7 @@ LAYOUTS = {
     "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"]),
     "dp2-tp2-zero1": (4, ["parallel.tp=2", "parallel.zero=1"]),
     "dp2-pp2-zero2": (4, ["parallel.pp=2", "parallel.zero=2"]),
+    "dp2-tp2-sp-zero3": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3"]),
     # bf16 parameters with fp32 masters: the masters are saved, the bf16 copies recomputed on load
     "dp2-zero1-bf16": (2, ["parallel.zero=1", "train.dtype=bfloat16"]),
     "dp2-zero3-bf16": (2, ["parallel.zero=3", "train.dtype=bfloat16"]),
@@ -98,6 +99,7 @@ RESHARD = [
     ("single", "dp2-pp2-zero2", "untied"),
     ("dp2-pp2-zero2", "dp2-tp2-zero1", "untied"),
     ("dp2-zero2", "dp2-zero0", "untied"),
+    ("dp2-tp2-sp-zero3", "dp2-pp2-zero2", "untied"),
     ("pp2-1f1b", "tp2", "tied"),  # the last stage's copy of the tied embedding is not saved, but loaded
     ("tp2", "pp2-interleaved", "tied"),
     ("dp2-zero3", "single", "tied"),
