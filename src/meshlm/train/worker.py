@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(backend)
     try:
         train_rank(cfg)
+        # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
+        # in gloo's destructor ("terminate called without an active exception", seen once in CI).
+        dist.barrier()
     except (CheckpointError, ConfigError) as e:  # a bad checkpoint: one line, not a traceback per rank
         if dist.get_rank() == 0:
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
