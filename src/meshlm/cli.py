@@ -157,11 +157,10 @@ def cmd_export(args) -> int:
     import json
 
     from meshlm.train.checkpoint.hf_export import export_hf
-    from meshlm.train.checkpoint.store import CheckpointError
 
-    try:
+    try:  # a corrupt checkpoint is a RunError (one line, exit 1, in main)
         report = export_hf(Path(args.checkpoint), Path(args.out))
-    except (CheckpointError, OSError) as e:  # a corrupt checkpoint, a full disk: runtime failures
+    except OSError as e:  # a full disk, a permission: runtime failures
         print(f"meshlm: error: {e}", file=sys.stderr)
         return 1
     if args.json:

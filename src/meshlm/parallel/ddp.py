@@ -169,6 +169,11 @@ class DDP:
         self._after_step()
         return norm.item()
 
+    def refresh_from_masters(self) -> None:
+        """The masters were written from outside (a checkpoint load): rebuild what derives from
+        them, as after an optimizer step (collective for ZeRO: the slices are all-gathered)."""
+        self._after_step()
+
     @torch.no_grad()
     def _after_step(self) -> None:
         if self.master is not None:  # bf16: the new fp32 values, rounded, become the parameters

@@ -325,6 +325,9 @@ class FullyShardedDataParallel:
         self.optim.step(lr, clip_scale(norm, max_norm))
         return norm.item()  # the next forward gathers the updated shards
 
+    def refresh_from_masters(self) -> None:
+        pass  # the fp32 shards are the masters; the next forward gathers them
+
     def zero_grad(self) -> None:
         for u in self.units:
             u.grad_shard = None  # set_to_none: the next backward allocates them again

@@ -1,13 +1,13 @@
 """Stopping cleanly on SIGTERM (a preemption) or Ctrl-C: save at the next step boundary, exit 0.
 
 Reduces: the work lost to a preemption or an interrupt, to nothing (the step in flight finishes).
-Costs: one all-reduce of one number per step, so that every rank stops after the same step (a
-signal reaches ranks at different moments; a rank that stopped alone would leave the others
-waiting in a collective forever).
+Costs: one number more in the all-reduce MAX over the world that each step already makes for the
+peak memory, so that every rank stops after the same step (a signal reaches ranks at different
+moments; a rank that stopped alone would leave the others waiting in a collective forever).
 
-- The first SIGTERM or SIGINT sets a flag; the trainer's step loop asks `requested(comm)` after
-  each step (an all-reduce MAX over the world) and, if any rank was signalled, every rank saves
-  a checkpoint and returns. A watchdog thread exits the process if that has not happened within
+- The first SIGTERM or SIGINT sets a flag; the trainer's step (`Trainer._max_over_ranks`) reduces
+  its number with the other ranks' and, if any rank was signalled, every rank saves a checkpoint
+  after that step and returns. A watchdog thread exits the process if that has not happened within
   `checkpoint.stop_timeout_s` (a rank stuck in a collective with a dead peer cannot save).
 - A second SIGINT (Ctrl-C twice) exits at once. Repeated SIGTERMs count as one: schedulers
   resend them, and torchrun forwards its own.
@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 
-import torch
 
 PR_SET_PDEATHSIG = 1
 
@@ -84,10 +83,8 @@ class StopSignals:
               f"a checkpoint", file=sys.stderr, flush=True)
         os._exit(1)
 
-    def requested(self, comm) -> signal.Signals | None:
-        """The signal any rank received (the highest-numbered, if several), or None (collective:
-        every rank calls it after every step)."""
-        number = torch.tensor([0.0 if self.received is None else float(self.received)], device=comm.ctx.device)
-        if comm.ctx.world_size > 1:
-            comm.all_reduce(number, "world", op=torch.distributed.ReduceOp.MAX)
-        return signal.Signals(int(number.item())) if number.item() else None
+    @property
+    def number(self) -> int:
+        """The received signal's number, 0 if none: what the trainer's per-step all-reduce MAX
+        carries, so that every rank learns that some rank was signalled."""
+        return 0 if self.received is None else int(self.received)

@@ -10,6 +10,7 @@ count), clip, AdamW, then reduce the metrics. The loss reported is the global me
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class StepResult:
     target_tokens: int
     step_time_s: float
     mem_peak_bytes: int | None
+    stop: signal.Signals | None = None  # a stop signal some rank received (train/preemption.py)
 
 
 class Trainer:
@@ -167,18 +169,22 @@ class Trainer:
             loss_sum, global_tokens = self.forward_backward()
             grad_norm = self.optimizer_step()
         loss = self._all_reduce(loss_sum).item() / global_tokens
-        peak = self._max_over_ranks(self.memory.last_peak)
+        peak, stop = self._max_over_ranks(self.memory.last_peak,
+                                          self.stop_signals.number if self.stop_signals is not None else 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step += 1
-        return StepResult(loss, grad_norm, int(global_tokens), time.perf_counter() - t0, peak)
+        return StepResult(loss, grad_norm, int(global_tokens), time.perf_counter() - t0, peak,
+                          signal.Signals(stop) if stop else None)
 
-    def _max_over_ranks(self, value: int | None) -> int | None:
-        if value is None:
-            return None
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+    def _max_over_ranks(self, peak: int | None, stop: int) -> tuple[int | None, int]:
+        """The largest per-rank peak memory and stop-signal number, in one all-reduce over the world
+        (every rank must agree to stop after the same step, or the others would wait forever)."""
+        if self.ctx.world_size == 1 or (peak is None and self.stop_signals is None):
+            return peak, stop
+        t = torch.tensor([-1.0 if peak is None else float(peak), float(stop)], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(t, "world", op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return (None if peak is None else int(t[0].item())), int(t[1].item())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -227,7 +233,7 @@ class Trainer:
             if done is not None and not done.reported and not done.thread.is_alive():
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished
                 done.reported = True
-            stop = self.stop_signals.requested(self.comm) if self.stop_signals is not None else None
+            stop = result.stop
             if self._checkpoint_due() or stop:  # the last one in the foreground: the run ends with it
                 last = stop is not None or self.step == cfg.steps
                 row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
@@ -275,12 +281,13 @@ class Trainer:
 
     def _inject_fault(self) -> None:
         """debug.fault=kill: the chosen rank dies by SIGKILL after the chosen step (first attempt only)."""
+        d = self.cfg.debug
+        if d.fault != "kill" or self.ctx.rank != d.fault_rank or self.step != d.fault_step:
+            return
         from meshlm.train.checkpoint.resume import is_restart
 
-        d = self.cfg.debug
-        if d.fault == "kill" and self.ctx.rank == d.fault_rank and self.step == d.fault_step and not is_restart():
+        if not is_restart():
             import os
-            import signal
 
             self.log.info("debug.fault=kill: SIGKILL to rank %d after step %d", self.ctx.rank, self.step)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm.config import Config, ConfigError, load_config, resolve
+from meshlm.config import Config, ConfigError, RunError, load_config, resolve
 from meshlm.mesh import ParallelContext, default_backend, default_device
-from meshlm.train.checkpoint.store import CheckpointError
 from meshlm.train.data import prepare_data
 from meshlm.train.host_memory import keep_freed_host_memory
 from meshlm.train.trainer import Trainer
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
         # in gloo's destructor ("terminate called without an active exception", seen once in CI).
         dist.barrier()
-    except (CheckpointError, ConfigError) as e:  # a bad checkpoint: one line, not a traceback per rank
+    except (RunError, ConfigError) as e:  # e.g. a bad checkpoint: one line, not a traceback per rank
         if dist.get_rank() == 0:
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
         return 1

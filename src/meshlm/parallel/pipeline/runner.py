@@ -200,6 +200,9 @@ class ParameterlessStageDataParallel:
     def zero_grad(self) -> None:
         pass
 
+    def refresh_from_masters(self) -> None:
+        pass
+
     def state_tensors(self):
         return iter(())
 

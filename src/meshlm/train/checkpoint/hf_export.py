@@ -18,16 +18,15 @@ import dataclasses
 import json
 import os
 import shutil
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from meshlm.config import ConfigError, ModelConfig, load_config
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
+from meshlm.train.checkpoint.store import write_safetensors
 from meshlm.train.tokenizer import END_OF_TEXT_NAMES, load_tokenizer
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -129,32 +128,6 @@ def tokenizer_config(end_token: str | None, max_len: int) -> dict:
             "clean_up_tokenization_spaces": False}
 
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], fetch: Callable[[str], torch.Tensor],
-                      dtype: torch.dtype = torch.float32) -> int:
-    """Stream a safetensors file: the header (names, shapes, offsets, known up front), then each
-    tensor as `fetch(name)` returns it. Returns the file size."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in shapes.items():
-        size = itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8-byte alignment
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name, shape in shapes.items():
-            tensor = fetch(name).to(dtype).contiguous()
-            assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy())  # raw little-endian bytes, no copy
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(encoded) + offset
-
-
 # --------------------------------------------------------------------------- the command
 
 
@@ -186,7 +159,10 @@ def export_hf(source: Path, out: Path) -> ExportReport:
         names = sorted(src.shapes)  # meshlm names; a tied head is not among them
         theirs = {hf_name(name): src.shapes[name] for name in names}
         ours = {hf_name(name): name for name in names}
-        size = write_safetensors(tmp / HF_WEIGHTS, theirs, lambda hf: src.tensor(ours[hf]))
+        layout = {hf: (torch.float32, tuple(shape)) for hf, shape in theirs.items()}
+        # One tensor in memory at a time: export needs the memory of the largest, not of the model.
+        size = write_safetensors(tmp / HF_WEIGHTS, layout, lambda hf: src.tensor(ours[hf]).float(),
+                                 {"format": "pt"})["bytes"]
         end_token, end_id = end_of_text(src.tokenizer)
         (tmp / HF_CONFIG).write_text(json.dumps(llama_config(src.model, end_id), indent=2) + "\n")
         shutil.copyfile(src.tokenizer, tmp / "tokenizer.json")

@@ -38,7 +38,7 @@ def explicit_candidates(path: Path) -> list[Path]:
     return [path]
 
 
-def check_compatible(path: Path, cfg: Config) -> None:
+def check_compatible(path: Path, cfg: Config, warn) -> None:
     """ConfigError (one line) if checkpoint `path` cannot continue this config's training."""
     from meshlm.train.checkpoint.state import check_shapes
 
@@ -51,14 +51,12 @@ def check_compatible(path: Path, cfg: Config) -> None:
             section = "run" if key == "seed" else "train"
             raise ConfigError(f"{section}.{key}: {ours}, but checkpoint {path} was trained with {data[key]}; "
                               f"resuming would not replay the same batches")
-    _warn_if_schedule_changed(path, cfg)  # last: only a resume that goes ahead warns
+    _warn_if_schedule_changed(path, cfg, warn)  # last: only a resume that goes ahead warns
 
 
-def _warn_if_schedule_changed(path: Path, cfg: Config) -> None:
+def _warn_if_schedule_changed(path: Path, cfg: Config, warn) -> None:
     """A resume may change the schedule (e.g. more steps), but then the curve is not the one the
     saved run would have followed: say so, naming the keys."""
-    import sys
-
     from meshlm.config import load_config
 
     saved = load_config(str(path / "config.toml")).train
@@ -66,8 +64,8 @@ def _warn_if_schedule_changed(path: Path, cfg: Config) -> None:
                for k in ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
                if getattr(saved, k) != getattr(cfg.train, k)]
     if changed:
-        print(f"meshlm: warning: resuming {path.name} with another schedule ({', '.join(changed)}): the curve "
-              f"continues from the checkpoint but is not the saved run's", file=sys.stderr)
+        warn(f"meshlm: warning: resuming {path.name} with another schedule ({', '.join(changed)}): the curve "
+             f"continues from the checkpoint but is not the saved run's")
 
 
 def precheck(cfg: Config, warn=print) -> Path | None:
@@ -83,7 +81,7 @@ def precheck(cfg: Config, warn=print) -> Path | None:
                 warn(f"meshlm: warning: skipping checkpoint {path.name}: {problem}")
                 continue
             try:
-                check_compatible(path, cfg)
+                check_compatible(path, cfg, warn)
             except ConfigError as e:
                 raise ConfigError(f"{e}; run.dir={cfg.run.dir} holds another run's checkpoints: use "
                                   f"checkpoint.resume=never or another run.dir") from None
@@ -96,7 +94,7 @@ def precheck(cfg: Config, warn=print) -> Path | None:
     problem = _small_files_problem(candidates[-1])
     if problem:
         raise ConfigError(f"checkpoint.resume: {problem}")
-    check_compatible(candidates[-1], cfg)
+    check_compatible(candidates[-1], cfg, warn)
     return candidates[-1]
 
 

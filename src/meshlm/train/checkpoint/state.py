@@ -76,7 +76,7 @@ def _meta(trainer, shapes) -> dict:
     from meshlm.train.optim import lr_at
 
     cfg = trainer.cfg
-    return {"step": trainer.step, "optimizer_step": trainer.step, "next_lr": lr_at(trainer.step, cfg.train),
+    return {"step": trainer.step, "next_lr": lr_at(trainer.step, cfg.train),
             "data": trainer.loader.state_dict(), "seed": cfg.run.seed,
             "layout": layout_of(cfg, trainer.ctx.world_size), "model": dataclasses.asdict(cfg.model),
             "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
@@ -255,7 +255,7 @@ def _new_adam_state(master: torch.Tensor, step: int) -> dict:
 def load_weights(trainer, reader, optimizer_state: bool) -> None:
     """Fill this rank's master weights (and AdamW state) with the rectangles it owns, then let the
     engine rebuild what derives from them (bf16 copies, other ranks' ZeRO slices)."""
-    step = reader.meta["optimizer_step"] if optimizer_state else 0
+    step = reader.meta["step"] if optimizer_state else 0  # AdamW steps once per training step
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
     for seg, _placement, pieces in owned_pieces(trainer):
         for piece in pieces:
@@ -266,13 +266,12 @@ def load_weights(trainer, reader, optimizer_state: bool) -> None:
         for kind in OPTIMIZER_KINDS:
             for piece in pieces:
                 reader.read(kind, piece.name, piece.rect, piece.view(state[kind]))
-    if hasattr(trainer.dp, "_after_step"):  # DDP / ZeRO: parameters from masters, slices all-gathered
-        trainer.dp._after_step()
+    trainer.dp.refresh_from_masters()
 
 
-def restore_rng(trainer, reader: CheckpointReader) -> str:
+def restore_rng(trainer, reader: CheckpointReader) -> None:
     """Each rank takes its own saved RNG states when the layout is unchanged, else every rank takes
-    saved rank 0's (no rank-to-rank correspondence exists then). Returns which, for the log."""
+    saved rank 0's (no rank-to-rank correspondence exists then)."""
     same = reader.meta["layout"] == layout_of(trainer.cfg, trainer.ctx.world_size)
     source = trainer.ctx.rank if same else 0
     cpu = reader.rank_tensor(source, "rng/cpu")
@@ -281,7 +280,6 @@ def restore_rng(trainer, reader: CheckpointReader) -> str:
     cuda = reader.rank_tensor(source, "rng/cuda")
     if cuda is not None and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(cuda, trainer.device)
-    return "per rank" if same else "from saved rank 0 (layout changed)"
 
 
 def load_checkpoint(trainer, path: Path) -> dict:

@@ -83,18 +83,23 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16
                       torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_tensors_synced(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """Write `tensors` (CPU) as a safetensors file, hashing each tensor's bytes as they are written,
-    fsync it, and return its manifest entry. Hand-written (the format is an 8-byte header length,
-    a JSON header, the raw bytes) because safetensors' own writers either build the whole file as
-    one `bytes` object (a second copy of the shard: 4.7 s for 1.2 GB here) or write it without
-    letting us hash on the way (a second pass over the file). Read back with safetensors itself."""
+def write_safetensors(path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+    """Stream a safetensors file: the header (every tensor's dtype, shape and offsets, known from
+    `layout` up front), then each tensor as `fetch(name)` returns it (CPU), hashing the bytes as
+    they are written; fsync it, and return its manifest entry {bytes, sha256}.
+
+    Hand-written (the format is an 8-byte header length, a JSON header, the raw bytes) because
+    safetensors' own writers need every tensor in memory at once, build the file as one `bytes`
+    object (a second copy of a rank's shard: 4.7 s for 1.2 GB here), and cannot hash on the way
+    (a second pass over the file). Checkpoints and exports are read back with safetensors itself."""
     header, offset = {}, 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    for name, (dtype, shape) in layout.items():
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    header["__metadata__"] = metadata
+    if metadata:
+        header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()
@@ -102,13 +107,22 @@ def write_tensors_synced(path: Path, tensors: dict[str, torch.Tensor], metadata:
         for block in (len(head).to_bytes(8, "little"), head):
             f.write(block)
             digest.update(block)
-        for t in tensors.values():
-            raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for name, (dtype, shape) in layout.items():
+            t = fetch(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, the header says {dtype} {tuple(shape)}")
+            raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
             f.write(raw)
             digest.update(raw)
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
+
+
+def write_tensors_synced(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """`write_safetensors` of tensors already in hand (a rank's checkpoint file)."""
+    layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    return write_safetensors(path, layout, tensors.__getitem__, metadata)
 
 
 # --------------------------------------------------------------------------- finishing a save
