@@ -345,7 +345,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"set model.tie_embeddings=false or parallel.zero=0")
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
-    _require(p.cp == 1, f"parallel.cp={p.cp}: not implemented yet in this version")
 
     _require(0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     if d.path is not None:

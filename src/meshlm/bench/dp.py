@@ -96,7 +96,7 @@ class Engine:
         self.optimizer = build_optimizer(model, train) if self.dp is None else None
 
     def step(self, inputs, targets, tokens) -> None:
-        from meshlm.train.trainer import token_loss_sum
+        from meshlm.model.loss import token_loss_sum
 
         loss = token_loss_sum(self.module(inputs), targets) / tokens
         if self.dp is not None:

@@ -83,7 +83,7 @@ def _bench_rank(a: dict) -> list[dict]:
     from meshlm.parallel.pipeline.engine import PipelineEngine
     from meshlm.parallel.pipeline.p2p import PipelineP2P
     from meshlm.parallel.pipeline.schedules import build_schedule
-    from meshlm.train.trainer import token_loss_sum
+    from meshlm.model.loss import token_loss_sum
 
     pp = dist.get_world_size()
     ctx = ParallelContext(Layout(pp=pp))

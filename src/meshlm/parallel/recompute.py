@@ -35,6 +35,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         if mode == "full":
             recompute_module(block)
         elif mode == "selective":
-            recompute_module(block.attention.core)
+            # A core that never stores the [S, S] scores (ring attention) has nothing to drop.
+            if getattr(block.attention.core, "stores_scores", True):
+                recompute_module(block.attention.core)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")

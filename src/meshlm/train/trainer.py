@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshlm.comm import Comm
 from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
 from meshlm.config import Config
 from meshlm.model import Llama, init_weights
-from meshlm.parallel.data_parallel import build_data_parallel
+from meshlm.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401 (IGNORE_INDEX: re-exported)
+from meshlm.parallel.context import apply_context_parallel
+from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES, build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
 from meshlm.parallel.tensor import apply_tensor_parallel
 from meshlm.train.data import PreparedData, TokenLoader, eval_batches
@@ -31,12 +32,6 @@ from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
 from meshlm.train.optim import lr_at
 
-IGNORE_INDEX = -100
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over target tokens (fp32), ignoring positions marked IGNORE_INDEX."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @dataclass
@@ -74,7 +69,8 @@ class Trainer:
             self.pipeline = PipelineRunner(self.model, cfg, self.comm)
         t = cfg.train
         self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
-        self.eval_set = eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)
+        self.eval_set = [self._shard(batch) for batch in
+                         eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)]
         # FSDP frees gathered parameters by resizing storages in place: the tracker must follow that.
         self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -91,11 +87,12 @@ class Trainer:
         model = Llama(self.cfg.model)
         init_weights(model, self.cfg.run.seed)
         model.to(self.device)
-        # Parallelism is applied here, in DESIGN.md's fixed order: TP/SP -> (CP: not yet) -> recompute
-        # -> PP split; DP/ZeRO/FSDP wraps the result in __init__.
+        # Parallelism is applied here, in DESIGN.md's fixed order: TP/SP -> CP -> recompute -> PP
+        # split; DP/ZeRO/FSDP wraps the result in __init__.
         # TP keeps this rank's slices of the full init; None at tp=1. Sharded logits need its loss.
         self.tp = apply_tensor_parallel(model, self.comm, self.cfg.parallel.sp)
         self.loss_sum = self.tp.loss_sum if self.tp else token_loss_sum
+        self.cp = apply_context_parallel(model, self.comm)  # ring attention; None at cp=1
         apply_activation_checkpointing(model, self.cfg.train.recompute)
         if self.cfg.parallel.pp > 1:  # PP split: keep only this rank's stage(s), single-process names
             from meshlm.parallel.pipeline import split_for_rank
@@ -123,8 +120,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        self.comm.all_reduce(tensor, "dp", op=op)
+        """Over dp x cp: the ranks that hold different tokens of the same model replica."""
+        self.comm.all_reduce(tensor, GRAD_REDUCE_AXES, op=op)
         return tensor
+
+    def _shard(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of a micro-batch: its context-parallel chunks, or all of them."""
+        return self.cp.shard(*batch) if self.cp else batch
 
     # ------------------------------------------------------------------ one step
 
@@ -137,7 +139,8 @@ class Trainer:
         """
         cfg = self.cfg.train
         micro_size = self.pipeline.micro_batch_size if self.pipeline else cfg.micro_batch_size
-        micro = self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, micro_size)
+        micro = [self._shard(batch) for batch in
+                 self.loader.microbatches(self.step, self.ctx.coord("dp"), self.dp_size, micro_size)]
         counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
                               dtype=torch.float64, device=self.device)
         global_tokens = self._all_reduce(counts).item()

@@ -17,6 +17,8 @@ import torch
 from meshlm.analysis.pipeline_sim import OpCosts, simulate
 from meshlm.comm import Comm
 from meshlm.config import Config
+from meshlm.model.loss import IGNORE_INDEX
+from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES
 from meshlm.parallel.pipeline.engine import PipelineEngine, RunStats
 from meshlm.parallel.pipeline.p2p import PipelineP2P
 from meshlm.parallel.pipeline.schedules import PipelineShape, build_schedule
@@ -107,11 +109,9 @@ class PipelineRunner:
         finally:
             self.stage.train()
         self.comm.all_reduce(loss_sum, "pp")
-        from meshlm.train.trainer import IGNORE_INDEX
-
         totals = torch.stack([loss_sum, torch.tensor(float(sum(int((t != IGNORE_INDEX).sum()) for _, t in mine)),
                                                      dtype=torch.float64, device=self.ctx.device)])
-        self.comm.all_reduce(totals, "dp")
+        self.comm.all_reduce(totals, GRAD_REDUCE_AXES)  # dp x cp: the ranks holding other tokens
         return (totals[0] / totals[1]).item()
 
     # ------------------------------------------------------------------ metrics
