@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from meshlm.testing import run_ranks
 from meshlm.parallel.context import local_positions, ring_bytes, shard_sequence, unshard_sequence
 
-from helpers import UnevenlyMaskedLoader, build_trainer, small_cfg
+from helpers import UnevenlyMaskedLoader, build_trainer, cli_train_args, read_metrics, run_meshlm, small_cfg
 
 STEPS = 3
 DIM = 8
@@ -107,3 +107,80 @@ def test_context_parallel_run_equals_one_process(corpus, tmp_path, reference, la
             assert weights.keys() == ref_weights.keys()
             for name, ref in ref_weights.items():
                 assert torch.allclose(weights[name], ref, atol=1e-5, rtol=0), name
+
+
+# --------------------------------------------------------------------------- what it costs
+
+
+def _ring_send_bytes(corpus, run_dir, world_size, *extra):
+    cfg = small_cfg(corpus, run_dir, world_size, *extra, steps=1)
+    trainer = build_trainer(cfg)
+    trainer.forward_backward()
+    sent = sum(r["bytes_sent"] for r in trainer.comm.summary() if r["op"] == "send" and r["axis"] == "cp")
+    return sent, trainer.ctx.rank
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["parallel.cp=2"]),
+    (4, ["parallel.cp=4", "train.dtype=bfloat16"]),
+    (4, ["parallel.cp=2", "parallel.tp=2", "train.recompute=full"]),
+], ids=["cp2", "cp4-bf16", "tp2-cp2-recompute"])
+def test_ring_bytes_per_rank_equal_the_formula(corpus, tmp_path, world, extra):
+    cfg = small_cfg(corpus, tmp_path, world, *extra, steps=1)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    per_layer = ring_bytes(t.micro_batch_size, t.seq_len // p.cp, m.n_kv_heads // p.tp, m.head_dim,
+                           2 if t.dtype == "bfloat16" else 4, p.cp)
+    forwards = 2 if t.recompute == "full" else 1
+    micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
+    expected = m.n_layers * micro_batches * (forwards * per_layer["forward"] + per_layer["backward"])
+    for sent, rank in run_ranks(_ring_send_bytes, world, corpus, tmp_path, world, *extra):
+        assert sent == expected, rank
+
+
+def _saved_activation_bytes(corpus, run_dir, world_size, *extra):
+    """Bytes autograd keeps for backward after one micro-batch's forward (parameters excluded)."""
+    cfg = small_cfg(corpus, run_dir, world_size, "train.seq_len=64", "model.n_layers=2", *extra, steps=1)
+    trainer = build_trainer(cfg)
+    params = {p.data_ptr() for p in trainer.model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            seen[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    inputs, targets = trainer._shard(next(iter(trainer.loader.microbatches(0, 0, 1, cfg.train.micro_batch_size))))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = trainer.loss_sum(trainer.dp.module(inputs), targets)
+    loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_activation_memory_per_rank_falls_as_one_over_cp(corpus, tmp_path, cp):
+    (single,) = run_ranks(_saved_activation_bytes, 1, corpus, tmp_path / "one", 1)
+    measured = run_ranks(_saved_activation_bytes, cp, corpus, tmp_path / "cp", cp, f"parallel.cp={cp}")
+    for rank_bytes in measured:  # every stored activation is per token: predicted single / cp
+        assert rank_bytes == pytest.approx(single / cp, rel=0.02), (rank_bytes, single)
+
+
+def test_meshlm_train_cp2_dp2_follows_the_single_process_loss_curve(corpus, single_cli_run, tmp_path):
+    reference_dir, _ = single_cli_run
+    run_meshlm(*cli_train_args(corpus, tmp_path, "parallel.cp=2", "parallel.dp=2", nproc=4))
+    reference, rows = read_metrics(reference_dir), read_metrics(tmp_path)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert evals == pytest.approx([r["eval_loss"] for r in reference if "eval_loss" in r], abs=1e-5) and evals
+
+
+@pytest.mark.parametrize("world,overrides,key", [
+    (2, ["parallel.cp=2", "train.seq_len=30"], "parallel.cp"),  # 30 tokens: not 4 equal chunks
+    (8, ["model.n_kv_heads=4", "parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "train.seq_len=36"], "parallel.sp"),  # 18 per cp rank
+    (2, ["parallel.cp=0"], "parallel.cp"),
+])
+def test_bad_context_parallel_configs_name_the_key(world, overrides, key):
+    from meshlm.config import ConfigError, load_config, resolve
+
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(None, ["model.preset=debug", *overrides]), world_size=world)
+    assert key in str(err.value) and "\n" not in str(err.value)
