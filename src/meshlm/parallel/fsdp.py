@@ -32,7 +32,7 @@ embedding during the loss and the head's backward, where the logits peak.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -46,32 +46,65 @@ from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision,
 
 _engine = torch.autograd.Variable._execution_engine
 
+# (slot, lo, hi) -> elements [lo, hi) of the slot's parameter, flat: where a unit's shard comes from.
+ValueSource = Callable[[Slot, int, int], torch.Tensor]
+
+
+def values_from_parameters(slot: Slot, lo: int, hi: int) -> torch.Tensor:
+    return slot.param.detach().reshape(-1)[lo:hi]
+
+
+def repoint(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value` (a meta parameter cannot take a real tensor through `.data`)."""
+    if param.is_meta:
+        from meshlm.parallel.sharded_init import swap_in
+
+        swap_in(param, value)
+    else:
+        param.data = value
+
 
 class Unit:
-    """One flat-parameter unit: this rank's fp32 shard, its gradient shard, the unsharded buffer."""
+    """One flat-parameter unit: this rank's fp32 shard, its gradient shard, the unsharded buffer.
+
+    Only the shard is ever built here: `values(slot, lo, hi)` gives elements [lo, hi) of a
+    slot's parameter (read from the parameter, or drawn by sharded_init for a meta-device model),
+    and the unsharded buffer gets storage only at the first gather. Until then each parameter is
+    a zero-stride placeholder of the right shape, so construction never holds a whole unit.
+    """
 
     def __init__(self, index: int, name: str, slots: list[Slot], n: int, rank: int, precision: MixedPrecision,
-                 device: torch.device) -> None:
+                 device: torch.device, values: "ValueSource") -> None:
         self.index, self.name, self.slots, self.precision = index, name, slots, precision
         numel = slots[-1].end
         self.padded = round_up(numel, n)
         self.lo, self.hi = rank * self.padded // n, (rank + 1) * self.padded // n
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self.shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)  # fp32 master slice
         with torch.no_grad():
             for s in slots:
-                flat[s.start: s.end].copy_(s.param.detach().reshape(-1))
-        self.shard = flat[self.lo: self.hi].clone()  # fp32 master slice, its own storage
+                a, z = max(self.lo, s.start), min(self.hi, s.end)
+                if a < z:
+                    self.shard[a - self.lo: z - self.lo] = values(s, a - s.start, z - s.start)
+            placeholder = torch.zeros(1, dtype=precision.param_dtype, device=device)
+            for s in slots:
+                repoint(s.param, placeholder.expand(s.shape))
         self.grad_shard: torch.Tensor | None = None  # allocated by the first reduce-scatter of a step
-        del flat
-        self.full = torch.empty(self.padded, dtype=precision.param_dtype, device=device)
-        for s in slots:
-            s.param.data = self.full[s.start: s.end].view(s.shape)
+        self.full = torch.empty(0, dtype=precision.param_dtype, device=device)  # storage: see `bind`
         self.itemsize = self.full.element_size()
-        self.full.untyped_storage().resize_(0)
+        self.bound = False
         self.handle = None  # the all-gather in flight
         self.gathered = False
         self.trimmed = False  # gathered, but the storage cut to its first `tail` elements
         self.tail = numel  # embedding weights (root only) start here; numel: none
+
+    def bind(self) -> None:
+        """Give the unsharded buffer its storage and make the parameters views of it (first
+        gather). From then on its storage is resized, never replaced, so the parameters (and
+        autograd's saved references to them) stay views of whatever is gathered into it."""
+        self.full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
+        for s in self.slots:
+            repoint(s.param, self.full[s.start: s.end].view(s.shape))
+        self.bound = True
 
     def trim(self) -> None:
         """Drop the buffer's tail (embedding weights no backward reads): shrink the storage."""
@@ -90,7 +123,8 @@ class Unit:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-        self.full.untyped_storage().resize_(0)
+        if self.bound:
+            self.full.untyped_storage().resize_(0)
         self.gathered = False
         self.trimmed = False
 
@@ -100,7 +134,10 @@ class FullyShardedDataParallel:
 
     def __init__(self, module: nn.Module, comm: Comm, train_cfg: TrainConfig, *, axes=("cp", "dp"),
                  policy: WrapPolicy | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
-                 forward_prefetch: bool = False, precision: MixedPrecision = FP32) -> None:
+                 forward_prefetch: bool = False, precision: MixedPrecision = FP32,
+                 values: ValueSource = values_from_parameters) -> None:
+        """`values`: where each unit's shard comes from; the default reads the parameters, a
+        meta-device model passes sharded_init's (so only this rank's elements are ever made)."""
         self.module, self.comm, self.ctx, self.axes = module, comm, comm.ctx, axes
         self.n, self.rank = self.ctx.size(axes), self.ctx.group_rank(axes)
         self.device, self.precision = self.ctx.device, precision
@@ -132,7 +169,7 @@ class FullyShardedDataParallel:
             for pn, p in params:
                 slots.append(Slot(pn, p, offset, p.numel(), p.shape))
                 offset += p.numel()
-            unit = Unit(len(self.units), name, slots, self.n, self.rank, precision, self.device)
+            unit = Unit(len(self.units), name, slots, self.n, self.rank, precision, self.device, values)
             self.units.append(unit)
             for s in slots:
                 self._unit_of[id(s.param)] = unit
@@ -180,7 +217,10 @@ class FullyShardedDataParallel:
 
     def _gather(self, unit: Unit, wait: bool = True) -> None:
         if not unit.gathered:
-            unit.full.untyped_storage().resize_(unit.padded * unit.itemsize)
+            if unit.bound:
+                unit.full.untyped_storage().resize_(unit.padded * unit.itemsize)
+            else:
+                unit.bind()
             src = unit.shard if unit.shard.dtype == unit.full.dtype else unit.shard.to(unit.full.dtype)
             unit.handle = self.comm.all_gather(unit.full, src, self.axes, async_op=True)
             unit.gathered = True

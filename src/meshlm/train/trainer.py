@@ -21,12 +21,9 @@ import torch.distributed as dist
 from meshlm.comm import Comm
 from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
 from meshlm.config import Config
-from meshlm.model import Llama, init_weights
 from meshlm.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401 (IGNORE_INDEX: re-exported)
-from meshlm.parallel.context import apply_context_parallel
-from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES, build_data_parallel
-from meshlm.parallel.recompute import apply_activation_checkpointing
-from meshlm.parallel.tensor import apply_tensor_parallel
+from meshlm.parallel.apply import build_engine, build_local_model
+from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES
 from meshlm.train.data import PreparedData, TokenLoader, eval_batches
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
@@ -55,13 +52,11 @@ class Trainer:
         self.log = rank_logger(self.run_dir, ctx.rank)
         self.metrics = metrics or MetricsWriter(self.run_dir, cfg.train.steps, cfg.train.log_interval,
                                                 active=ctx.rank == 0)
-        self.model = self._build_model()
-        if any(True for _ in self.model.parameters()):
-            self.dp = build_data_parallel(self.model, cfg, self.comm)
-        else:  # a pipeline stage given no layers (explicit split): nothing to reduce or update
-            from meshlm.parallel.pipeline.runner import ParameterlessStageDataParallel
-
-            self.dp = ParameterlessStageDataParallel(self.model, self.comm)
+        # The model is built sharded, every technique applied in one fixed order (parallel/apply.py).
+        local = build_local_model(cfg, self.comm)
+        self.model, self.tp, self.cp = local.module, local.tp, local.cp
+        self.loss_sum = self.tp.loss_sum if self.tp else token_loss_sum  # sharded logits need TP's loss
+        self.dp = build_engine(local, cfg, self.comm)
         self.pipeline = None  # parallel.pp > 1: runs each step's micro-batches by the schedule
         if cfg.parallel.pp > 1:
             from meshlm.parallel.pipeline.runner import PipelineRunner
@@ -82,23 +77,6 @@ class Trainer:
         self.pending_save = None  # a checkpoint.state.BackgroundSave in flight (checkpoint.async_save)
 
     # ------------------------------------------------------------------ setup
-
-    def _build_model(self) -> Llama:
-        model = Llama(self.cfg.model)
-        init_weights(model, self.cfg.run.seed)
-        model.to(self.device)
-        # Parallelism is applied here, in DESIGN.md's fixed order: TP/SP -> CP -> recompute -> PP
-        # split; DP/ZeRO/FSDP wraps the result in __init__.
-        # TP keeps this rank's slices of the full init; None at tp=1. Sharded logits need its loss.
-        self.tp = apply_tensor_parallel(model, self.comm, self.cfg.parallel.sp)
-        self.loss_sum = self.tp.loss_sum if self.tp else token_loss_sum
-        self.cp = apply_context_parallel(model, self.comm)  # ring attention; None at cp=1
-        apply_activation_checkpointing(model, self.cfg.train.recompute)
-        if self.cfg.parallel.pp > 1:  # PP split: keep only this rank's stage(s), single-process names
-            from meshlm.parallel.pipeline import split_for_rank
-
-            model = split_for_rank(model, self.cfg, self.ctx)
-        return model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded weights under the single-process model's names. Collective: every
