@@ -103,6 +103,15 @@ def test_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, pp, 
     assert metrics["pp_step_s"] > 0
 
 
+@pytest.mark.parametrize("kind,virtual", SCHEDULES)
+def test_fewer_micro_batches_than_stages_equals_single_process(corpus, tmp_path, tmp_path_factory, kind, virtual):
+    """m = 2 < pp = 4: 1F1B never reaches its steady state (all warm-up), which must still be right."""
+    ref = reference(corpus, tmp_path_factory)
+    extra = ["parallel.pp=4", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}",
+             "parallel.pp_microbatches=2"]
+    assert_matches(ref, run_ranks(_rank, 4, corpus, tmp_path, 4, extra, timeout=180))
+
+
 @pytest.mark.parametrize("extra", [["train.recompute=full"], ["train.recompute=selective"],
                                    ["parallel.pp_defer_wgrad=false"]])
 def test_pipeline_with_recompute_or_plain_backward_equals_single_process(corpus, tmp_path, tmp_path_factory, extra):
@@ -129,6 +138,39 @@ def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_pa
     # Stage 0 holds the embedding, stage 3 the head: after the AdamW steps, bit for bit the same.
     assert torch.equal(ranks[0]["tied"], ranks[3]["tied"])
     assert "output.weight" in ranks[3]["grads"] and "tok_embeddings.weight" in ranks[0]["grads"]
+
+
+def _tied_zero_rank(corpus, run_dir, extra):
+    cfg = make_cfg(corpus, run_dir, 4, *extra)
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg.parallel), data)
+    trainer.metrics.active = False
+    losses = [trainer.train_step().loss for _ in range(3)]
+    full = trainer.full_state_dict()
+    # Each stage's copy of the tied weight, whole (collective over dp for the sharded engines).
+    own = trainer.dp.full_state_dict()
+    copy = own.get("output.weight" if trainer.ctx.coord("pp") == 1 else "tok_embeddings.weight")
+    return {"losses": losses, "full": {k: v.clone() for k, v in full.items()} if trainer.ctx.rank == 0 else None,
+            "copy": None if copy is None else copy.clone(), "pp": trainer.ctx.coord("pp")}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_tied_embeddings_across_stages_with_zero(corpus, tmp_path, tmp_path_factory, zero):
+    """ZeRO shards the tied weight's gradient differently on the first and last stage; the two
+    copies must still get the same summed gradient and stay equal, bit for bit."""
+    tied = ("model.tie_embeddings=true",)
+    ref = reference(corpus, tmp_path_factory, *tied)
+    extra = [*tied, "parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b", f"parallel.zero={zero}"]
+    ranks = run_ranks(_tied_zero_rank, 4, corpus, tmp_path, extra, timeout=180)
+    ref_losses = ref["losses"][1:]  # the reference's first entry is the forward-backward before the steps
+    for got in ranks:
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+    full, alias = ranks[0]["full"], {"output.weight": "tok_embeddings.weight"}
+    assert {alias.get(n, n) for n in full} == set(ref["params"])
+    assert all((full[n] - ref["params"][alias.get(n, n)]).abs().max() <= 1e-5 for n in full)
+    first = [r["copy"] for r in ranks if r["pp"] == 0]
+    last = [r["copy"] for r in ranks if r["pp"] == 1]
+    assert all(torch.equal(a, b) for a in first for b in last)
 
 
 def _uneven_rank(corpus, run_dir):

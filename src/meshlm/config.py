@@ -338,11 +338,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         except ScheduleError as e:
             raise ConfigError(f"parallel.pp_microbatches: {e} (m = {n_micro}: global_batch_size/(dp*micro_batch_size) "
                               f"unless parallel.pp_microbatches is set)") from None
-        # The first and last stage add up their copies' gradients of a tied embedding; ZeRO has
-        # already sharded (differently on each stage) what there is to add.
-        _require(p.zero == 0 or not m.tie_embeddings,
-                 f"parallel.zero: ZeRO-{p.zero} cannot keep a tied embedding in sync across pipeline stages yet; "
-                 f"set model.tie_embeddings=false or parallel.zero=0")
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
 

@@ -74,21 +74,34 @@ class PipelineRunner:
     def reduce_grads(self, dp) -> None:
         """Data-parallel reduction, then the sum of the two tied-embedding copies' gradients."""
         dp.finish_backward()
-        self._sync_tied_grads()
+        self._sync_tied_grads(dp)
 
-    def _sync_tied_grads(self) -> None:
+    @torch.no_grad()
+    def _sync_tied_grads(self, dp) -> None:
+        """Add the other copy's reduced gradient to this copy's (first and last stage, same tp,
+        cp and dp coordinates), through the optimizer's segments, so it works whatever the engine
+        holds: the whole gradient (DDP) or only this rank's slice of it (ZeRO-1/2/3, whose slices
+        fall at different offsets on the two stages). Sharded engines first assemble the whole
+        reduced gradient over dp x cp: one gather of the tied weight's gradient, then one P2P
+        exchange of it, as DDP does."""
         weight = self.stage.tied_weight
         if weight is None:
             return
+        segments = [s for s in dp.optim.segments if s.param is weight]
+        ranges = [(s.segment.lo - s.segment.slot.start, s.segment.hi - s.segment.slot.start) for s in segments]
+        mine = torch.zeros(weight.numel(), dtype=torch.float32, device=weight.device)
+        for (a, z), s in zip(ranges, segments):
+            mine[a:z] = s.grad
+        if getattr(dp, "dp_sharded", False):  # every element is owned by exactly one rank: a gather
+            self.comm.all_reduce(mine, GRAD_REDUCE_AXES)
         peer = self.pp - 1 if self.pp_rank == 0 else 0
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        theirs = torch.empty_like(weight.grad)
-        self.p2p.post([("send", weight.grad.detach().clone(), peer), ("recv", theirs, peer)]).wait()
-        # In place: the gradient may be a view into a DDP/ZeRO flat buffer. IEEE addition commutes,
-        # so both stages get bit-identical sums and their AdamW updates (same state, same
-        # gradient) keep the two copies bit-identical.
-        weight.grad.add_(theirs)
+        theirs = torch.empty_like(mine)
+        self.p2p.post([("send", mine, peer), ("recv", theirs, peer)]).wait()
+        # In place: the gradient is a view into the engine's buffer. IEEE addition commutes, so
+        # both stages get bit-identical sums and their AdamW updates (same state, same gradient)
+        # keep the two copies bit-identical.
+        for (a, z), s in zip(ranges, segments):
+            s.grad.add_(theirs[a:z].to(s.grad.dtype))
 
     # ------------------------------------------------------------------ evaluation
 
