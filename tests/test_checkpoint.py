@@ -36,6 +36,8 @@ LAYOUTS = {
     # bf16 parameters with fp32 masters: the masters are saved, the bf16 copies recomputed on load
     "dp2-zero1-bf16": (2, ["parallel.zero=1", "train.dtype=bfloat16"]),
     "dp2-zero3-bf16": (2, ["parallel.zero=3", "train.dtype=bfloat16"]),
+    "tp4": (4, ["parallel.tp=4"]),  # the debug model's 2 kv heads, each replicated on 2 tp ranks
+    "cp2-dp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3"]),
 }
 
 
@@ -105,6 +107,9 @@ RESHARD = [
     ("dp2-zero3", "single", "tied"),
     ("tp2", "dp2-zero3", "padded"),  # the padding row is never stored, and not expected back
     ("single", "tp2-pp2", "padded"),
+    ("tp4", "cp2-dp2-zero3", "untied"),  # replicated kv heads written once, read by every replica
+    ("cp2-dp2-zero3", "single", "untied"),
+    ("single", "tp4", "tied"),
 ]
 
 
@@ -140,7 +145,7 @@ def saved_state(corpus, run_dir, world, extra):
     return {name: (reader.full("model", name), full[name]) for name in reader.shapes}
 
 
-@pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-pp2", "dp2-tp2-zero1"])
+@pytest.mark.parametrize("layout", ["dp2-zero3", "tp2-pp2", "dp2-tp2-zero1", "tp4"])
 def test_stored_tensors_equal_the_gathered_weights(corpus, tmp_path, layout):
     world, extra = LAYOUTS[layout]
     pairs = run_ranks(saved_state, world, corpus, tmp_path, world, [*UNTIED, *extra], timeout=240)[0]

@@ -109,7 +109,10 @@ def _trainer_steps(corpus, run_dir, world_size, extra, n_steps=3):
     trainer = build_trainer(make_cfg(corpus, run_dir, world_size, *extra))
     trainer.forward_backward()
     named = dict(trainer.model.named_parameters(remove_duplicate=False))
-    grads = {n: p.grad.clone() for n, p in named.items()}  # DDP's .grad are views of a buffer zeroed below
+    if trainer.cfg.parallel.zero >= 2:  # sharded gradients: gathered over dp
+        grads = {n: g.clone() for n, g in trainer.dp.full_grads().items()}
+    else:
+        grads = {n: p.grad.clone() for n, p in named.items()}  # DDP's .grad are views of a buffer zeroed below
     if trainer.tp:
         grads = trainer.tp.full_state_dict(grads)
     trainer.dp.zero_grad()
@@ -135,6 +138,24 @@ def test_trainer_steps_equal_the_single_process_run(corpus, tmp_path, world_size
     assert reference[1][-1] < reference[1][0]
 
 
+@pytest.mark.parametrize("world_size,extra", [
+    (4, ["model.n_kv_heads=2", "parallel.tp=4"]),  # each kv head on 2 tp ranks
+    (4, ["model.n_kv_heads=2", "parallel.tp=4", "parallel.sp=true"]),
+    (4, ["model.n_kv_heads=1", "parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]),  # multi-query, FSDP
+    (4, ["model.n_kv_heads=1", "parallel.tp=4", "parallel.zero=2"]),  # one kv head on every tp rank
+])
+def test_kv_heads_replicated_across_tp_equal_the_single_process_run(corpus, tmp_path, world_size, extra):
+    """tp > n_kv_heads: kv heads are replicated (Megatron) and the replicas' gradients summed."""
+    from test_trainer import assert_close
+
+    model_args = ["model.n_heads=8", *[e for e in extra if e.startswith("model.")]]
+    reference = _trainer_steps(corpus, tmp_path / "ref", 1, model_args)
+    results = run_ranks(_trainer_steps, world_size, corpus, tmp_path / "tp", world_size, extra + ["model.n_heads=8"],
+                        timeout=120)
+    for rank_result in results:
+        assert_close(reference, rank_result)
+
+
 def _bf16_losses(corpus, run_dir, world_size, extra):
     from test_trainer import build_trainer, make_cfg
 
@@ -151,8 +172,9 @@ def test_bf16_autocast_runs_through_the_tensor_parallel_layers(corpus, tmp_path)
 def test_sequence_parallel_without_tensor_parallel_is_a_config_error():
     with pytest.raises(ConfigError, match="parallel.sp"):
         resolve(load_config(None, ["model.preset=debug", "parallel.sp=true"]))
-    with pytest.raises(ConfigError, match="model.n_kv_heads=2 is not divisible by tp=4"):
-        resolve(load_config(None, ["model.preset=debug", "parallel.tp=4"]), world_size=4)
+    with pytest.raises(ConfigError, match="model.n_kv_heads=2 neither divides nor is divisible by tp=3"):
+        resolve(load_config(None, ["model.preset=debug", "model.dim=96", "model.n_heads=6", "model.ffn_dim=192",
+                                   "parallel.tp=3"]), world_size=3)
 
 
 # --------------------------------------------------------------------------- DTensor

@@ -183,12 +183,17 @@ def check_layout(cfg: "Config", world_size: int) -> None:
             raise ConfigError(message)
 
     if p.tp > 1:
-        # Each tensor-parallel rank owns whole heads (and whole kv heads under GQA) and an equal
-        # slice of the MLP hidden size. The vocabulary is padded to a multiple of tp instead.
-        for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+        # Each tensor-parallel rank owns whole heads and an equal slice of the MLP hidden size.
+        # The vocabulary is padded to a multiple of tp instead. Under GQA kv heads are split when
+        # tp divides them, replicated when tp is a multiple of them (parallel/tensor.py).
+        for key in ("n_heads", "ffn_dim"):
             value = model(key)
             require(value is None or value % p.tp == 0,
                     f"parallel.tp: model.{key}={value} is not divisible by tp={p.tp}")
+        kv = model("n_kv_heads")
+        require(kv is None or kv % p.tp == 0 or p.tp % kv == 0,
+                f"parallel.tp: model.n_kv_heads={kv} neither divides nor is divisible by tp={p.tp} "
+                f"(kv heads are split or replicated across tp ranks)")
     stages = p.pp * p.pp_virtual
     n_layers = model("n_layers")
     if p.pp_layers:

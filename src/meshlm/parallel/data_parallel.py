@@ -55,14 +55,17 @@ def counts_toward_norm(param: nn.Parameter, ctx) -> bool:
     distinct gradient element is counted exactly once across the model-parallel ranks.
 
     Conventions the model-parallel techniques follow (Megatron's, renamed):
-    - `param.meshlm_tp_sharded = True`: each tp rank holds a different slice: all count.
+    - `param.meshlm_tp_sharded = True`: each tp rank holds a different slice: all count (of kv
+      heads replicated over `meshlm_tp_replicas` ranks, the first replica).
       Parameters without it are replicated across tp (norm weights): only tp rank 0 counts.
     - `param.meshlm_pp_duplicate = True`: a copy of a parameter another pipeline stage owns
       (the tied embedding on the last stage): it does not count.
     """
     if getattr(param, "meshlm_pp_duplicate", False):
         return False
-    return getattr(param, "meshlm_tp_sharded", False) or ctx.coord("tp") == 0
+    if getattr(param, "meshlm_tp_sharded", False):  # replicated kv heads: their first replica
+        return ctx.coord("tp") % getattr(param, "meshlm_tp_replicas", 1) == 0
+    return ctx.coord("tp") == 0
 
 
 def global_grad_norm(local_squares: torch.Tensor, comm: Comm, dp_sharded: bool = False) -> torch.Tensor:

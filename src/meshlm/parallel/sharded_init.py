@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshlm.model.init import STREAM_CHUNK, InitStream, initial_rows
+from meshlm.parallel.tensor_layers import tp_slice
 
 TIED_EMBEDDING = "tok_embeddings.weight"
 
@@ -51,7 +52,7 @@ class ShardedInit:
         if not getattr(param, "meshlm_tp_sharded", False):
             return InitStream(name, (rows, cols), self.seed, self.cfg).read_rows(first, last)
         dim, full_size = param.meshlm_tp_dim, param.meshlm_tp_full_size
-        offset = self.tp_rank * param.shape[dim]
+        offset = tp_slice(param, self.tp_rank)[0] * param.shape[dim]
         if dim == 1:  # row-parallel linear: this rank's columns of full rows, a block of rows at a time
             stream = InitStream(name, (rows, full_size), self.seed, self.cfg)
             out = torch.empty(last - first, cols)

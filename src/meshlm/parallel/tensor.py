@@ -13,9 +13,9 @@ block is written down (docs/tensor-parallel.md explains each line):
     norms:     replicated; under SP they run on sequence shards and their gradients are partial
     tok_embeddings / output: vocabulary-parallel (tied weights stay one sharded Parameter)
 
-GQA: kv heads are split across tp ranks, so n_kv_heads must be divisible by tp (and n_heads);
-otherwise `apply_tensor_parallel` raises (config validation says it earlier, naming the key).
-Replicating kv heads instead is not implemented.
+GQA: kv heads are split across tp ranks when n_kv_heads is divisible by tp; when tp is a multiple
+of n_kv_heads instead, each kv head is replicated on tp / n_kv_heads ranks (Megatron's way) and
+the replicas' gradients are summed. Any other pair is refused (config validation names the key).
 """
 
 from __future__ import annotations
@@ -56,10 +56,14 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def check_divisible(cfg, tp: int) -> None:
-    """Whole heads, whole kv heads and equal MLP slices per rank (the vocabulary is padded)."""
-    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+    """Whole heads, whole (or replicated) kv heads and equal MLP slices per rank (the vocabulary
+    is padded)."""
+    for key in ("n_heads", "ffn_dim"):
         if getattr(cfg, key) % tp:
             raise ValueError(f"tensor parallelism: model.{key}={getattr(cfg, key)} is not divisible by tp={tp}")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise ValueError(f"tensor parallelism: model.n_kv_heads={cfg.n_kv_heads} neither divides nor is divisible "
+                         f"by tp={tp}")
 
 
 class TensorParallel:
@@ -88,16 +92,18 @@ class TensorParallel:
                 out[name] = value
                 continue
             if id(p) not in gathered:
-                gathered[id(p)] = self._gather(value, p.meshlm_tp_dim, p.meshlm_tp_full_size)
+                gathered[id(p)] = self._gather(value, p.meshlm_tp_dim, p.meshlm_tp_full_size,
+                                               getattr(p, "meshlm_tp_replicas", 1))
             out[name] = gathered[id(p)]
         return out
 
-    def _gather(self, shard: torch.Tensor, dim: int, full_size: int) -> torch.Tensor:
+    def _gather(self, shard: torch.Tensor, dim: int, full_size: int, replicas: int = 1) -> torch.Tensor:
         shard = shard.detach().contiguous()
         n = self.comm.ctx.size(TP)
         out = torch.empty((n * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
         self.comm.all_gather(out, shard, TP)
-        return torch.cat(out.view(n, *shard.shape).unbind(0), dim=dim).narrow(dim, 0, full_size).clone()
+        slices = out.view(n, *shard.shape).unbind(0)[::replicas]  # one of each replicated slice
+        return torch.cat(slices, dim=dim).narrow(dim, 0, full_size).clone()
 
 
 def sum_partial_gradients(param: nn.Parameter, comm: Comm) -> None:
@@ -144,7 +150,10 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool 
                 if sequence_parallel:
                     sum_partial_gradients(module.weight, comm)
                 continue
-            if style == "colwise":
+            if style == "colwise" and attr in ("wk", "wv") and model.cfg.n_kv_heads % tp:
+                new = ColumnParallelLinear.replicated_heads(module, comm, model.cfg.n_kv_heads,
+                                                            region=regions[parent_name])
+            elif style == "colwise":
                 new = ColumnParallelLinear.from_linear(module, comm, region=regions[parent_name])
             elif style == "rowwise":
                 new = RowParallelLinear.from_linear(module, comm, sequence_parallel=sequence_parallel)

@@ -64,6 +64,22 @@ def sequence_shard(full: torch.Tensor, comm: Comm) -> torch.Tensor:
     return full.chunk(n, dim=1)[r].contiguous()
 
 
+def sum_replica_gradients(param: nn.Parameter, comm: Comm, slices: int, replicas: int) -> None:
+    """Sum the gradient of a slice over the tp ranks that replicate it, as it is computed (a hook
+    before accumulation, so it composes with micro-batches and every data-parallel engine). One
+    all-reduce over tp of a buffer with a slot per distinct slice, each rank filling its own:
+    `slices` times the bytes of one gradient, but no extra process groups."""
+    rank = comm.ctx.group_rank(TP)
+
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        slots = grad.new_zeros((slices, *grad.shape))
+        slots[rank // replicas] = grad
+        comm.all_reduce(slots, TP)
+        return slots[rank // replicas]
+
+    param.register_hook(reduce)
+
+
 # --------------------------------------------------------------------------- autograd operators
 
 
@@ -214,13 +230,22 @@ class ParallelRegion:
         module.register_forward_hook(lambda _m, _args, _out: self.leave())
 
 
-def mark_tp_sharded(param: nn.Parameter, dim: int, full_size: int) -> nn.Parameter:
+def mark_tp_sharded(param: nn.Parameter, dim: int, full_size: int, replicas: int = 1) -> nn.Parameter:
     """The grad-norm convention (parallel/data_parallel.py) plus what gathering needs: the shard
-    dimension and the unpadded full size along it."""
+    dimension and the unpadded full size along it. `replicas` > 1: that many consecutive tp ranks
+    hold the same slice (kv heads replicated when tp > n_kv_heads): `tp_slice` says which."""
     param.meshlm_tp_sharded = True
     param.meshlm_tp_dim = dim
     param.meshlm_tp_full_size = full_size
+    param.meshlm_tp_replicas = replicas
     return param
+
+
+def tp_slice(param: torch.Tensor, tp_rank: int) -> tuple[int, bool]:
+    """(which slice of the full tensor along `meshlm_tp_dim` tp rank `tp_rank` holds, whether it
+    is the first of that slice's replicas: the one that writes, gathers and counts it)."""
+    replicas = getattr(param, "meshlm_tp_replicas", 1)
+    return tp_rank // replicas, tp_rank % replicas == 0
 
 
 def shard_rows(full: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tensor:
@@ -256,6 +281,19 @@ class ColumnParallelLinear(nn.Module):
         if linear.out_features % tp:
             raise ValueError(f"column-parallel: {linear.out_features} output features not divisible by tp={tp}")
         return cls(shard_rows(linear.weight.detach(), tp, rank, 0), comm, **kwargs)
+
+    @classmethod
+    def replicated_heads(cls, linear: nn.Linear, comm: Comm, heads: int, **kwargs) -> "ColumnParallelLinear":
+        """wk or wv when tp > n_kv_heads (tp a multiple of it), as Megatron does: each group of
+        tp / heads consecutive ranks holds one whole kv head, the one its query heads use. Each
+        replica's gradient covers only its own query heads, so the replicas' gradients are summed
+        (`sum_replica_gradients`) and, equal from then on, keep the copies equal."""
+        tp, rank = comm.ctx.size(TP), comm.ctx.group_rank(TP)
+        replicas = tp // heads
+        layer = cls(shard_rows(linear.weight.detach(), heads, rank // replicas, 0), comm, **kwargs)
+        mark_tp_sharded(layer.weight, 0, linear.out_features, replicas)
+        sum_replica_gradients(layer.weight, comm, heads, replicas)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.own_region:

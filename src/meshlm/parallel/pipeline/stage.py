@@ -72,7 +72,7 @@ class PipelineStageModel(nn.Module):
                 original = model.tok_embeddings.weight
                 weight = nn.Parameter(original.detach().clone())
                 weight.meshlm_pp_duplicate = True  # counted once in the grad norm (data_parallel.py)
-                for attr in ("meshlm_tp_sharded", "meshlm_tp_dim", "meshlm_tp_full_size"):  # which tp slice it is
+                for attr in ("meshlm_tp_sharded", "meshlm_tp_dim", "meshlm_tp_full_size", "meshlm_tp_replicas"):  # which tp slice it is
                     if hasattr(original, attr):
                         setattr(weight, attr, getattr(original, attr))
                 self.output.weight = weight

@@ -9,7 +9,8 @@ Every data-parallel engine exposes what it updates as `MasterSegment`s (parallel
 a flat range [p_lo, p_hi) of one local parameter, with its fp32 master values and AdamW moments
 as 1-D tensors. A local parameter is the tp shard of a full tensor (or the full tensor), so a
 segment maps to the full tensor in two steps:
-- tp: the shard sits at `tp_rank * local_rows` along the sharded dimension (`meshlm_tp_dim`);
+- tp: the shard sits at `index * local_rows` along the sharded dimension (`meshlm_tp_dim`), where
+  index is the tp rank, or for kv heads replicated over several tp ranks the kv head (`tp_slice`);
   rows beyond `meshlm_tp_full_size` are the vocabulary padding and are never stored;
 - the flat range: at most three rectangles (a partial first row, whole rows, a partial last
   row), each a contiguous slice of the segment's 1-D data. ZeRO and FSDP shards cross parameter
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from meshlm.parallel.tensor_layers import tp_slice
 
 TIED_HEAD = "output.weight"
 EMBEDDING = "tok_embeddings.weight"
@@ -127,7 +130,8 @@ def canonical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
 def placements(module: nn.Module, ctx, shapes: dict[str, tuple[int, ...]], dp_sharded: bool) -> dict[int, Placement]:
     """id(local parameter) -> its Placement, for every parameter of `module` (a model or a
     pipeline stage, already tensor-parallel). Which rank writes each element once:
-    - tp: a sharded parameter on every tp rank (distinct slices), a replicated one on tp rank 0;
+    - tp: a sharded parameter on every tp rank (distinct slices; replicated kv heads on their first
+      replica), a replicated one on tp rank 0;
     - dp x cp: every rank when the engine shards across them (ZeRO 1-3), else only group rank 0;
     - pp: the last stage's copy of a tied embedding is never written (stage 0 owns it)."""
     tp_rank = ctx.coord("tp")
@@ -142,9 +146,11 @@ def placements(module: nn.Module, ctx, shapes: dict[str, tuple[int, ...]], dp_sh
         local = as_2d(tuple(p.shape))
         offset = [0, 0]
         sharded = getattr(p, "meshlm_tp_sharded", False)
+        writes_tp = tp_rank == 0
         if sharded:
             dim = p.meshlm_tp_dim + (2 - p.ndim)  # a 1-D tensor's only dim is the 2-D view's cols
-            offset[dim] = tp_rank * local[dim]
-        written = first_replica and not duplicate and (sharded or tp_rank == 0)
+            index, writes_tp = tp_slice(p, tp_rank)
+            offset[dim] = index * local[dim]
+        written = first_replica and not duplicate and writes_tp
         out[id(p)] = Placement(name, full, local, (offset[0], offset[1]), written)
     return out
