@@ -17,7 +17,8 @@ from meshlm.config import ConfigError
 from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
 from meshlm.train.checkpoint import save_checkpoint
-from meshlm.train.checkpoint.hf import hf_name, init_from
+from meshlm.train.checkpoint.hf import hf_name
+from meshlm.train.checkpoint.hf_import import init_from
 from meshlm.train.checkpoint.hf_export import export_hf
 from meshlm.train.tokenizer import encode, load_tokenizer
 

@@ -94,7 +94,7 @@ def _cfg(**parallel) -> Config:
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(parallel__tp=4), "parallel.tp: model.n_heads=6 is not divisible by tp=4"),
-    (dict(parallel__tp=3), "parallel.tp: model.n_kv_heads=2 is not divisible by tp=3"),
+    (dict(parallel__tp=3), "parallel.tp: model.n_kv_heads=2 neither divides nor is divisible by tp=3"),
     (dict(parallel__tp=2, model__ffn_dim=513), "parallel.tp: model.ffn_dim=513 is not divisible by tp=2"),
     (dict(parallel__pp=3), "parallel.pp: model.n_layers=4 is not divisible into pp*pp_virtual = 3*1 = 3 stages"),
     (dict(parallel__pp=2, parallel__pp_virtual=3, parallel__pp_schedule="interleaved"),

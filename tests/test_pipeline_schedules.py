@@ -180,10 +180,9 @@ def test_impossible_settings_are_refused_with_the_reason():
     (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
     (["parallel.pp=4", "model.n_layers=6"], "parallel.pp"),
     (["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual=2"], "parallel.pp_virtual"),
-    (["parallel.pp=2", "parallel.zero=1", "model.tie_embeddings=true"], "parallel.zero"),
 ])
 def test_bad_pipeline_configs_fail_before_ranks_start_naming_the_key(overrides, key):
-    world = 4 if "parallel.pp=4" in overrides or "parallel.zero=1" in overrides else 2
+    world = 4 if "parallel.pp=4" in overrides else 2
     with pytest.raises(ConfigError) as e:
         resolve(load_config(None, ["model.preset=debug", "model.n_layers=4", "train.global_batch_size=8",
                                    "train.micro_batch_size=2", *overrides]), world_size=world)

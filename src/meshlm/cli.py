@@ -183,7 +183,7 @@ def _import_parser(sub) -> None:
 
 
 def cmd_import(args) -> int:
-    from meshlm.train.checkpoint.hf import import_hf
+    from meshlm.train.checkpoint.hf_import import import_hf
 
     final = import_hf(Path(args.hf), Path(args.out))
     print(f"meshlm: imported {args.hf} to {final}")

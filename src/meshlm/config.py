@@ -17,15 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm.errors import ConfigError, RunError  # noqa: F401 (RunError: re-exported)
 from meshlm.model.presets import PRESETS
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line that names the key."""
-
-
-class RunError(RuntimeError):
-    """A runtime failure the user can act on (e.g. no usable checkpoint): one line, exit 1."""
 
 
 @dataclass

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from meshlm.errors import ConfigError
+
 if TYPE_CHECKING:  # config.py will import this module to call check_layout; avoid a cycle.
     from meshlm.config import Config, ParallelConfig
 
@@ -168,7 +170,6 @@ def check_layout(cfg: "Config", world_size: int) -> None:
     names and the zero stage; these are the checks that need the model and the parallel layout
     together. `world_size` is accepted for a uniform signature (the callers always have it).
     """
-    from meshlm.config import ConfigError
     from meshlm.model.presets import PRESETS
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -186,14 +187,13 @@ def check_layout(cfg: "Config", world_size: int) -> None:
         # Each tensor-parallel rank owns whole heads and an equal slice of the MLP hidden size.
         # The vocabulary is padded to a multiple of tp instead. Under GQA kv heads are split when
         # tp divides them, replicated when tp is a multiple of them (parallel/tensor.py).
-        for key in ("n_heads", "ffn_dim"):
-            value = model(key)
-            require(value is None or value % p.tp == 0,
-                    f"parallel.tp: model.{key}={value} is not divisible by tp={p.tp}")
-        kv = model("n_kv_heads")
+        heads, kv = model("n_heads"), model("n_kv_heads")
+        require(heads is None or heads % p.tp == 0, f"parallel.tp: model.n_heads={heads} is not divisible by tp={p.tp}")
         require(kv is None or kv % p.tp == 0 or p.tp % kv == 0,
                 f"parallel.tp: model.n_kv_heads={kv} neither divides nor is divisible by tp={p.tp} "
                 f"(kv heads are split or replicated across tp ranks)")
+        ffn = model("ffn_dim")
+        require(ffn is None or ffn % p.tp == 0, f"parallel.tp: model.ffn_dim={ffn} is not divisible by tp={p.tp}")
     stages = p.pp * p.pp_virtual
     n_layers = model("n_layers")
     if p.pp_layers:

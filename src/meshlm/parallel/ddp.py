@@ -162,7 +162,7 @@ class DDP:
 
     def clip_and_step(self, lr: float, max_norm: float) -> float:
         """Global gradient norm (pre-clip), clip, AdamW; returns the norm."""
-        from meshlm.parallel.data_parallel import global_grad_norm
+        from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=self.dp_sharded)
         self.optim.step(lr, clip_scale(norm, max_norm))

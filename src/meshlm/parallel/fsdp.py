@@ -359,7 +359,7 @@ class FullyShardedDataParallel:
         return self.optim.local_grad_squares(self.ctx, self.device)
 
     def clip_and_step(self, lr: float, max_norm: float) -> float:
-        from meshlm.parallel.data_parallel import global_grad_norm
+        from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=True)
         self.optim.step(lr, clip_scale(norm, max_norm))

@@ -80,7 +80,7 @@ class SegmentAdamW:
                                            foreach=False)
 
     def local_grad_squares(self, ctx, device: torch.device) -> torch.Tensor:
-        from meshlm.parallel.data_parallel import counts_toward_norm
+        from meshlm.parallel.grad_norm import counts_toward_norm
 
         squares = torch.zeros((), dtype=torch.float32, device=device)
         for s in self.segments:

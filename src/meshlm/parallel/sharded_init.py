@@ -5,7 +5,7 @@ so a model larger than one device can be constructed at all (llama3-70b under tp
 Costs: time, not memory: each rank draws every tensor's random stream up to the end of its
 slice, because its values must equal the single-process init, which draws each tensor in one go.
 
-The order (Trainer._build_model): Llama on meta -> TP (slices of meta tensors are meta) -> CP ->
+The order (parallel/apply.py): Llama on meta -> TP (slices of meta tensors are meta) -> CP ->
 recompute -> PP split (this rank's layers only) -> `materialize` (zero 0-2) or FSDP (zero 3),
 which asks `local_values` for the flat range of each parameter its shard covers and never
 allocates the rest. A checkpoint or Hugging Face load then overwrites what was initialised,

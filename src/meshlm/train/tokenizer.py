@@ -22,7 +22,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 EOT = "<|endoftext|>"
 # Part of the token cache key: bump it when the recipe below changes.

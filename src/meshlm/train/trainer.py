@@ -2,9 +2,10 @@
 with the loss normalised by the global number of target tokens so every layout computes the same
 step as one process would.
 
-Per step: forward/backward each micro-batch on `loss_sum / global_target_tokens`, reduce
-gradients across data-parallel ranks (a sum, since each rank already divided by the global
-count), clip, AdamW, then reduce the metrics. The loss reported is the global mean token loss.
+Per step: forward/backward each micro-batch (this rank's context-parallel chunks of it under cp)
+on `loss_sum / global_target_tokens`, reduce gradients across the dp x cp ranks (a sum, since
+each rank already divided by the global count), clip, AdamW, then reduce the metrics. The loss
+reported is the global mean token loss.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
 from meshlm.config import Config
 from meshlm.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401 (IGNORE_INDEX: re-exported)
 from meshlm.parallel.apply import build_engine, build_local_model
-from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES
+from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.train.data import PreparedData, TokenLoader, eval_batches
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
@@ -109,7 +110,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def forward_backward(self) -> tuple[torch.Tensor, float]:
-        """Gradients of this step's global mean token loss, summed over dp ranks, left in `.grad`.
+        """Gradients of this step's global mean token loss, summed over dp x cp ranks, left in `.grad`.
 
         Returns (this rank's summed token loss, the global target-token count). Each micro-batch
         backpropagates `loss_sum / global_tokens`, so accumulation over micro-batches and ranks is

@@ -98,7 +98,7 @@ def _inference_config(config_file: Path) -> Config:
 def load_checkpoint_model(checkpoint: Path, cfg: Config) -> Llama:
     """The single-process model with the full weights of checkpoint `checkpoint` (any layout)."""
     from meshlm.train.checkpoint.pieces import canonical_shapes
-    from meshlm.train.checkpoint.state import check_shapes
+    from meshlm.train.checkpoint.pieces import check_shapes
     from meshlm.train.checkpoint.store import CheckpointReader
 
     reader = CheckpointReader(checkpoint)

@@ -42,7 +42,7 @@ def start_state(trainer: Trainer) -> None:
         trainer.metrics.print(f"moved the run directory's earlier checkpoints to {aside} (this run does not "
                               f"continue from the newest of them)")
     if path is None and cfg.model.init_from:
-        from meshlm.train.checkpoint.hf import init_from
+        from meshlm.train.checkpoint.hf_import import init_from
 
         init_from(trainer, Path(cfg.model.init_from))
         trainer.metrics.print(f"initialised from {cfg.model.init_from}")

@@ -18,7 +18,7 @@ from meshlm.analysis.pipeline_sim import OpCosts, simulate
 from meshlm.comm import Comm
 from meshlm.config import Config
 from meshlm.model.loss import IGNORE_INDEX
-from meshlm.parallel.data_parallel import GRAD_REDUCE_AXES
+from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.parallel.pipeline.engine import PipelineEngine, RunStats
 from meshlm.parallel.pipeline.p2p import PipelineP2P
 from meshlm.parallel.pipeline.schedules import PipelineShape, build_schedule
@@ -205,7 +205,7 @@ class ParameterlessStageDataParallel:
         pass
 
     def clip_and_step(self, lr: float, max_norm: float) -> float:
-        from meshlm.parallel.data_parallel import global_grad_norm
+        from meshlm.parallel.grad_norm import global_grad_norm
 
         zero = torch.zeros((), dtype=torch.float32, device=self.comm.ctx.device)
         return global_grad_norm(zero, self.comm).item()

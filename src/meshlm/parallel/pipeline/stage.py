@@ -2,9 +2,9 @@
 
 Reduces: parameters, gradients and optimizer state per rank to about 1/pp of the model (the
 embedding on the first stage and the head on the last come on top).
-Costs: the rest of the model is built and then dropped on every rank (a meta-device build would
-avoid it); with tied embeddings the last stage keeps a second copy of the embedding matrix, kept
-equal to the first by summing the two gradients every step.
+Costs: with tied embeddings the last stage keeps a second copy of the embedding matrix, kept
+equal to the first by summing the two gradients every step. (The split happens on the meta
+device: a rank never allocates the stages it does not run; parallel/sharded_init.py.)
 
 Virtual stage j (of S = pp * v) holds a contiguous run of layers; it lives on pipeline rank j % pp
 as that rank's chunk j // pp. The embedding belongs to stage 0, the final norm and the head (and
@@ -123,8 +123,8 @@ def stage_state_shapes(cfg, pp: int, rank: int, virtual: int = 1,
 
 
 def split_for_rank(model: Llama, cfg, ctx, layers_per_stage: Sequence[int] | None = None) -> PipelineStageModel:
-    """The PP split step of `Trainer._build_model`: this rank's stage of `model` (built, initialised
-    and already TP/CP/recompute-transformed as a whole), for parallel.pp, parallel.pp_virtual and
+    """The PP split step of `parallel.apply.build_local_model`: this rank's stage of `model` (on the
+    meta device, already TP/CP/recompute-transformed as a whole), for parallel.pp, parallel.pp_virtual and
     parallel.pp_layers (an explicit split; `layers_per_stage` overrides it)."""
     from meshlm.mesh import parse_pp_layers
 

@@ -1,5 +1,6 @@
 """Hugging Face Llama interop, the import side: the name mapping, a Llama directory's config.json
-as meshlm's model shape, a lazy reader of its weights, and `model.init_from`.
+as meshlm's model shape, and a lazy reader of its weights (`model.init_from` and `meshlm import`
+use them: train/checkpoint/hf_import.py).
 
 meshlm's Llama and transformers' `LlamaForCausalLM` compute the same function (tests/test_model.py)
 with the same tensor layouts, so moving weights between them is a pure renaming:
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.train.checkpoint.pieces import Rect
 
 HF_CONFIG = "config.json"
@@ -231,8 +232,7 @@ class HFReader:
 def open_weights(path: Path, model_cfg):
     """A reader of the weights at `path` (Hugging Face or meshlm checkpoint), its shapes checked
     against `model_cfg`."""
-    from meshlm.train.checkpoint.pieces import canonical_shapes
-    from meshlm.train.checkpoint.state import check_shapes
+    from meshlm.train.checkpoint.pieces import canonical_shapes, check_shapes
     from meshlm.train.checkpoint.store import CheckpointReader
 
     if is_meshlm_checkpoint(path):
@@ -245,43 +245,3 @@ def open_weights(path: Path, model_cfg):
     reader = HFReader(path)
     reader.check_shapes(canonical_shapes(model_cfg))
     return reader
-
-
-def init_from(trainer, path: Path) -> None:
-    """Fill every rank's weights from `path` (collective), each rank reading what it owns. The
-    optimizer is left fresh and the step at 0. A meshlm checkpoint is verified against its
-    manifest first, all ranks hashing a share of its files."""
-    path = Path(path)
-    if is_meshlm_checkpoint(path):
-        from meshlm.train.checkpoint.resume import verify_together
-        from meshlm.train.checkpoint.store import CheckpointError
-
-        problem = verify_together(path, trainer.comm, trainer.ctx)
-        if problem:
-            raise CheckpointError(f"model.init_from: {problem}")
-    from meshlm.train.checkpoint.state import load_weights
-
-    load_weights(trainer, open_weights(path, trainer.cfg.model), optimizer_state=False)
-    trainer.step = 0
-
-
-def import_hf(source: Path, run_dir: Path) -> Path:
-    """`meshlm import`: a Hugging Face Llama directory as meshlm's `run_dir/final/` (weights under
-    meshlm's names, its tokenizer, a config), which `meshlm generate` reads. To train from it,
-    `model.init_from` reads the directory directly; this is for inspecting and sampling."""
-    from meshlm.config import load_config, resolve
-    from meshlm.model import Llama
-    from meshlm.train.checkpoint.pieces import as_2d
-    from meshlm.train.weights import save_final
-
-    source = Path(source)
-    if not (source / "tokenizer.json").is_file():
-        raise ConfigError(f"--hf: {source} has no tokenizer.json (meshlm's final/ directory carries its tokenizer)")
-    cfg = resolve(load_config(None, [f"model.init_from={source}", f"run.dir={run_dir}"]))
-    reader = open_weights(source, cfg.model)
-    model = Llama(cfg.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied head is the embedding: listed once
-            rows, cols = as_2d(tuple(p.shape))
-            reader.read("model", name, Rect(0, 0, rows, cols), p.view(rows, cols))
-    return save_final(model.state_dict(), cfg, source / "tokenizer.json", Path(run_dir))

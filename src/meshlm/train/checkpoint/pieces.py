@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshlm.errors import ConfigError
 from meshlm.parallel.tensor_layers import tp_slice
 
 TIED_HEAD = "output.weight"
@@ -154,3 +155,19 @@ def placements(module: nn.Module, ctx, shapes: dict[str, tuple[int, ...]], dp_sh
         written = first_replica and not duplicate and writes_tp
         out[id(p)] = Placement(name, full, local, (offset[0], offset[1]), written)
     return out
+
+
+def check_shapes(reader, model_cfg) -> None:
+    """ConfigError naming the first tensor whose stored shape does not fit this model."""
+    expected = canonical_shapes(model_cfg)
+    for name, shape in expected.items():
+        stored = reader.shapes.get(name)
+        if stored is None:
+            raise ConfigError(f"{reader.path}: the checkpoint has no tensor {name} (shape {list(shape)}); "
+                              f"it was saved from a different model")
+        if tuple(stored) != tuple(shape):
+            raise ConfigError(f"{reader.path}: tensor {name} has shape {list(stored)}, this model needs "
+                              f"{list(shape)} (check model.* against the checkpoint's config.toml)")
+    extra = sorted(set(reader.shapes) - set(expected))
+    if extra:
+        raise ConfigError(f"{reader.path}: tensor {extra[0]} is not part of this model (a different architecture)")

@@ -40,7 +40,7 @@ def explicit_candidates(path: Path) -> list[Path]:
 
 def check_compatible(path: Path, cfg: Config, warn) -> None:
     """ConfigError (one line) if checkpoint `path` cannot continue this config's training."""
-    from meshlm.train.checkpoint.state import check_shapes
+    from meshlm.train.checkpoint.pieces import check_shapes
 
     reader = CheckpointReader(path)
     check_shapes(reader, cfg.model)

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 import meshlm
-from meshlm.config import ConfigError, to_toml
-from meshlm.train.checkpoint.pieces import Placement, Piece, canonical_shapes, placements, segment_pieces
+from meshlm.config import to_toml
+from meshlm.train.checkpoint.pieces import (Placement, Piece, canonical_shapes, check_shapes,  # noqa: F401
+                                            placements, segment_pieces)
 from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, clear_stale_temporaries, finalize,
                                            rank_file, rotate, step_dir_name, write_bytes_synced,
                                            write_tensors_synced)
@@ -225,22 +226,6 @@ def wait_for_save(trainer, barrier: bool = True) -> None:
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def check_shapes(reader: CheckpointReader, model_cfg) -> None:
-    """ConfigError naming the first tensor whose stored shape does not fit this model."""
-    expected = canonical_shapes(model_cfg)
-    for name, shape in expected.items():
-        stored = reader.shapes.get(name)
-        if stored is None:
-            raise ConfigError(f"{reader.path}: the checkpoint has no tensor {name} (shape {list(shape)}); "
-                              f"it was saved from a different model")
-        if tuple(stored) != tuple(shape):
-            raise ConfigError(f"{reader.path}: tensor {name} has shape {list(stored)}, this model needs "
-                              f"{list(shape)} (check model.* against the checkpoint's config.toml)")
-    extra = sorted(set(reader.shapes) - set(expected))
-    if extra:
-        raise ConfigError(f"{reader.path}: tensor {extra[0]} is not part of this model (a different architecture)")
 
 
 def _new_adam_state(master: torch.Tensor, step: int) -> dict:

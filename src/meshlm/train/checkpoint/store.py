@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from meshlm.config import RunError
+from meshlm.errors import RunError
 from meshlm.train.checkpoint.pieces import Rect
 
 MANIFEST = "manifest.json"
