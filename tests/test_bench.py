@@ -1,4 +1,4 @@
-"""`meshlm bench tp` and `meshlm bench pp` print DESIGN.md's `--json` rows (tiny runs; the
+"""`meshlm bench tp`, `pp` and `cp` print DESIGN.md's `--json` rows (tiny runs; the
 numbers themselves live in benchmarks/RESULTS.md, not in tests). `bench dp` is in test_ddp.py."""
 
 import json
@@ -44,3 +44,25 @@ def test_steal_fraction_reads_the_eighth_cpu_column():
 
     assert steal_fraction([10, 0, 5, 80, 0, 0, 0, 5], [40, 0, 10, 100, 0, 0, 0, 30]) == pytest.approx(25 / 80)
     assert steal_fraction(None, [1] * 8) is None
+
+
+@pytest.mark.parametrize("shim", [False, True], ids=["torch-cp", "cpu-shim"])
+def test_bench_cp_json(capsys, shim):
+    from meshlm.bench.cp import LOSS_TOLERANCE, main
+
+    assert main(["--json", "--preset", "debug", "--seq", "64", "--steps", "1", "--warmup", "1"]
+                + (["--cpu-shim"] if shim else [])) == 0
+    row, = json.loads(capsys.readouterr().out)["rows"]
+    assert DESIGN_FIELDS <= set(row) and row["world_size"] == 2
+    assert row["meshlm_tokens_per_s"] > 0 and row["meshlm_peak_bytes"] > 0
+    # The loss check: meshlm's first step equals the single-process loss, token by token.
+    assert row["loss_check_passed"] and row["meshlm_vs_single_max_abs_diff"] <= LOSS_TOLERANCE
+    assert row["meshlm_loss"] == pytest.approx(row["single_process_loss"], abs=1e-5)
+    if row["reference_tokens_per_s"] is None:  # torch 2.13's CP has no CPU kernel: a reason, no numbers
+        assert row["device"] == "cpu" and not shim
+        assert "_scaled_dot_product_flash_attention_for_cpu" in row["reference_unavailable"]
+        assert row["tokens_per_s_ratio"] is None and row["reference_peak_bytes"] is None and row["memory_ratio"] is None
+    else:  # both sides ran: the same loss on the first step, and a ratio
+        check_rows({"rows": [row]}, [row["name"]])
+        assert row["loss_max_abs_diff"] <= LOSS_TOLERANCE
+        assert row["reference_loss"] == pytest.approx(row["meshlm_loss"], abs=1e-5)

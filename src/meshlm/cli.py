@@ -193,7 +193,7 @@ def cmd_import(args) -> int:
 # --------------------------------------------------------------------------- bench
 
 
-BENCHES = {"comm": "meshlm.comm.bench", "dp": "meshlm.bench.dp", "tp": "meshlm.bench.tp", "pp": "meshlm.bench.pp"}
+BENCHES = {"comm": "meshlm.comm.bench", "dp": "meshlm.bench.dp", "tp": "meshlm.bench.tp", "pp": "meshlm.bench.pp", "cp": "meshlm.bench.cp"}
 
 
 def _bench_parser(sub) -> None:

@@ -134,6 +134,7 @@ class Trainer:
                 with self._autocast():
                     logits = self.dp.module(inputs)
                 micro_loss = self.loss_sum(logits, targets)
+                del logits  # the loss saved what its backward needs; one [b, s, vocab] buffer less at the peak
                 (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().double()
         self.dp.finish_backward()
