@@ -185,16 +185,3 @@ def predict(cfg: Config) -> MemoryReport:
         roles.append(RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
                                 *(int(x) for x in (params, grads, optimizer, master, activations, other, peak))))
     return MemoryReport(max(r.peak_bytes for r in roles), roles)
-
-
-def format_report(report: MemoryReport, capacity: int | None = None) -> str:
-    from meshlm.train.metrics import format_bytes
-
-    lines = [f"{'role':<12} {'ranks':>5} " + " ".join(f"{f.removesuffix('_bytes'):>12}" for f in RANK_FIELDS)]
-    for r in report.ranks:
-        lines.append(f"{r.role:<12} {r.ranks:>5} " + " ".join(f"{format_bytes(getattr(r, f)):>12}" for f in RANK_FIELDS))
-    lines.append(f"predicted peak per rank: {format_bytes(report.peak_bytes)}")
-    if capacity:
-        verdict = "fits" if report.peak_bytes <= capacity else "does NOT fit"
-        lines.append(f"device memory {format_bytes(capacity)}: {verdict} ({report.peak_bytes / capacity:.0%})")
-    return "\n".join(lines)

@@ -43,6 +43,7 @@ from meshlm.parallel.ddp import named_state
 from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, round_up, weak_hook
 from meshlm.parallel.fsdp_units import WrapPolicy, by_class, by_size, choose_units  # noqa: F401 (by_class, by_size: API)
 from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, clip_scale, storage_bytes
+from meshlm.parallel.sharded_init import repoint
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -52,16 +53,6 @@ ValueSource = Callable[[Slot, int, int], torch.Tensor]
 
 def values_from_parameters(slot: Slot, lo: int, hi: int) -> torch.Tensor:
     return slot.param.detach().reshape(-1)[lo:hi]
-
-
-def repoint(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Make `param` hold `value` (a meta parameter cannot take a real tensor through `.data`)."""
-    if param.is_meta:
-        from meshlm.parallel.sharded_init import swap_in
-
-        swap_in(param, value)
-    else:
-        param.data = value
 
 
 class Unit:

@@ -99,6 +99,14 @@ def swap_in(param: nn.Parameter, value: torch.Tensor) -> None:
         param.register_post_accumulate_grad_hook(hook)
 
 
+def repoint(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value`: through `.data` when it is real, by `swap_in` when it is meta."""
+    if param.is_meta:
+        swap_in(param, value)
+    else:
+        param.data = value
+
+
 @torch.no_grad()
 def materialize_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
