@@ -1,23 +1,32 @@
 """The per-rank memory model: bytes of parameters, gradients, optimizer state, fp32 masters,
 activations and transient buffers for any config and layout, without starting a rank.
-Reduces: guessing why a run does not fit; each term is a formula over the config (no fitting).
+Reduces: guessing why a run does not fit; each term is a formula over the config (nothing fitted).
 Costs: nothing at run time; its accuracy is what `tests/test_memory.py` measures against the
 trainer's per-rank `mem_peak_bytes` (CPU: live tensor bytes; GPU: the CUDA allocator's peak).
 
-Where a step's peak sits. The trainer's step is forward and backward of each micro-batch, then the
-optimizer. Its highest point is the start of the last micro-batch's backward, on the rank that
-computes the loss: every layer's saved activations are still held, the loss's backward
-materialises [b, s, vocab/tp] buffers (the saved log-softmax, its gradient, the logits' gradient),
-and the model state is all there. The other candidate is the optimizer step (state plus AdamW's
-per-tensor temporaries); the model takes the larger of the two.
+How the peak is found. A rank's step is its program: the forwards and backwards of its
+micro-batches in the order the engine runs them (for a pipeline, the schedule's own instruction
+list; without one, forward/backward pairs), then the gradient reduction and the optimizer step.
+`predict` walks that program keeping the live bytes: each forward adds the activations its chunk
+saves, each backward frees them. At every point where memory can peak it records the whole
+breakdown: after a forward; at the loss's backward (the last stage: the [tokens, vocab/tp]
+buffers of the softmax's backward); at the first gradients of a backward (the head's weight
+gradient, a freshly allocated gradient buffer, ZeRO-2's staging bucket, FSDP's gathered units);
+at the gradient reduction; inside the optimizer step. The largest point is the peak, reported
+with its breakdown and its name (`phase`). See docs/memory.md for each term's derivation.
 
 The model state per engine (N = this rank's parameters, d = dp x cp, p = 2 in bf16 else 4):
 
-    DDP (zero 0)  params 4N, grads 4N (bf16 autocast: + 2N of bf16 weight copies held for backward)
+    DDP (zero 0)  params 4N, grads 4N once backward starts, AdamW 8N; bf16 is autocast: the bf16
+                  weight copies are saved activations (2 bytes per matmul weight and forward)
     ZeRO-1        params pN, grads pN (full buffer), masters 4N/d in bf16, AdamW 8N/d
-    ZeRO-2        params pN, grads pN/d + one bucket of staging, masters 4N/d in bf16, AdamW 8N/d
-    ZeRO-3/FSDP   fp32 shard 4N/d, grad shard 4N/d, AdamW 8N/d, plus gathered units (param dtype):
-                  the root (embeddings, head) from forward to backward and two blocks at a time
+    ZeRO-2        params pN, grads pN/d, one bucket of fp32 staging in backward, masters, AdamW 8N/d
+    ZeRO-3/FSDP   fp32 shard 4N/d, grad shard 4N/d, AdamW 8N/d, plus the gathered units (p bytes):
+                  the root (embeddings, norm, head) from forward to backward, the block being
+                  computed, and in backward the next one prefetched
+
+Where the backend matters: gloo's reduce-scatter copies its input (the measured CPU runs show
+it); NCCL's does not. `predict(cfg, backend=...)` takes it; the trainer passes its own.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from dataclasses import asdict, dataclass
 
 from meshlm.config import Config
 from meshlm.parallel.tensor import activation_bytes_per_layer
+
+BACKENDS = ("nccl", "gloo")
 
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "master_bytes", "activations_bytes",
                "other_bytes", "peak_bytes")
@@ -42,8 +53,9 @@ class RankMemory:
     optimizer_bytes: int
     master_bytes: int
     activations_bytes: int
-    other_bytes: int  # loss buffers, gathered FSDP units, bucket staging, bf16 weight copies
+    other_bytes: int  # transients at the peak: loss buffers, gathered FSDP units, staging, tables
     peak_bytes: int
+    phase: str = ""  # where in the step the peak is
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,19 +80,15 @@ def _padded(n: int, tp: int) -> int:
 def layer_parameters(m, tp: int) -> int:
     """One block's parameters on one tp rank (kv heads split, or one whole head when replicated)."""
     d = m.head_dim
-    kv_local = max(1, m.n_kv_heads // tp)
+    kv_local = max(1, m.n_kv_heads // tp)  # replicated when tp is a multiple of n_kv_heads
     attention = m.dim * (m.n_heads // tp) * d * 2 + 2 * m.dim * kv_local * d
     return attention + 3 * m.dim * (m.ffn_dim // tp) + 2 * m.dim
 
 
 def stage_layers(cfg: Config) -> list[list[int]]:
     """Layer indices of each pipeline rank (all its virtual stages)."""
-    from meshlm.mesh import parse_pp_layers
-    from meshlm.parallel.pipeline.stage import split_layers
-
     p = cfg.parallel
-    counts = parse_pp_layers(p.pp_layers) if p.pp_layers else None
-    ranges = split_layers(cfg.model.n_layers, p.pp * p.pp_virtual, counts)
+    ranges = _stage_ranges(cfg)
     return [[i for s in range(rank, p.pp * p.pp_virtual, p.pp) for i in ranges[s]] for rank in range(p.pp)]
 
 
@@ -100,88 +108,193 @@ def rank_parameters(cfg: Config, pp_rank: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- activations
 
 
-def micro_batches_in_flight(cfg: Config, pp_rank: int) -> int:
-    """The most micro-batches (times chunks) whose activations rank `pp_rank` holds at once, read
-    from the schedule's own instruction list (the one the engine runs)."""
+def _itemsize(cfg: Config) -> int:
+    return 2 if cfg.train.dtype == "bfloat16" else 4
+
+
+def _tokens(cfg: Config) -> tuple[int, int]:
+    """(micro-batch rows, sequence positions) one rank computes per micro-batch."""
+    from meshlm.parallel.pipeline.runner import microbatch_plan
+
     p = cfg.parallel
-    if p.pp == 1:
-        return 1
-    from meshlm.parallel.pipeline.runner import microbatch_plan
-    from meshlm.parallel.pipeline.schedules import build_schedule, peak_in_flight
-
-    m, _ = microbatch_plan(cfg)
-    return peak_in_flight(build_schedule(p.pp_schedule, p.pp, m, p.pp_virtual)[pp_rank])
+    batch = microbatch_plan(cfg)[1] if p.pp > 1 else cfg.train.micro_batch_size
+    return batch, cfg.train.seq_len // p.cp
 
 
-def activation_bytes(cfg: Config, pp_rank: int) -> tuple[int, int]:
-    """(saved activations held at the peak, transient bytes of the loss's backward) on one rank."""
-    from meshlm.parallel.pipeline.runner import microbatch_plan
-
+def _block_saved(cfg: Config) -> tuple[int, int]:
+    """(bytes one block saves for backward under the config's recompute, bytes rebuilt during
+    its backward): full recompute keeps only each block's input and rebuilds one block at a time."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    batch = microbatch_plan(cfg)[1] if p.pp > 1 else t.micro_batch_size
-    seq = t.seq_len // p.cp
-    item = 2 if t.dtype == "bfloat16" else 4
-    layers = len(stage_layers(cfg)[pp_rank]) // max(1, p.pp_virtual)  # per chunk
-    tokens = batch * seq
-    sharded_tokens = tokens // p.tp if p.sp else tokens
-    if t.recompute == "full":  # only each block's input is kept; one block is rebuilt at a time
-        per_chunk = layers * sharded_tokens * m.dim * item
-        rebuilt = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
-    else:
-        per_chunk = layers * activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
-        rebuilt = 0
-        if t.recompute == "selective" and p.cp == 1:  # the core's output and log-sum-exp are dropped
-            per_chunk -= layers * tokens * ((m.n_heads // p.tp) * m.head_dim + m.n_heads // p.tp) * item
-    in_flight = micro_batches_in_flight(cfg, pp_rank)
-    saved = in_flight * per_chunk + rebuilt
-    last = pp_rank == p.pp - 1
-    first = pp_rank == 0
-    # Outside the blocks: the embedding's output on the first stage; the final norm's input,
-    # normalised value and the head's input on the last (h each per token), and the loss.
-    if first:
-        saved += in_flight * sharded_tokens * m.dim * item
-    if last:
-        saved += in_flight * 4 * sharded_tokens * m.dim * 4
-    vocab = _padded(m.vocab_size, p.tp) // p.tp
-    loss = 3 * tokens * vocab * 4 if last else 0  # saved log-softmax, its gradient, the logits' gradient
-    return saved, loss
+    batch, seq = _tokens(cfg)
+    item = _itemsize(cfg)
+    whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
+    if t.recompute == "full":
+        return batch * seq // (p.tp if p.sp else 1) * m.dim * item, whole
+    if t.recompute == "selective" and p.cp == 1:  # the attention core's output and log-sum-exp are dropped
+        heads = m.n_heads // p.tp
+        return whole - batch * seq * (heads * m.head_dim + heads) * item, 0
+    return whole, 0  # (ring attention is not selectively recomputed: see parallel/context.py)
+
+
+def _vocab_local(cfg: Config) -> int:
+    return _padded(cfg.model.vocab_size, cfg.parallel.tp) // cfg.parallel.tp
+
+
+def _chunk_saved(cfg: Config, stage: int) -> int:
+    """Bytes global pipeline stage `stage` saves per micro-batch in flight."""
+    m, p = cfg.model, cfg.parallel
+    batch, seq = _tokens(cfg)
+    tokens, item = batch * seq, _itemsize(cfg)
+    sharded = tokens // p.tp if p.sp else tokens
+    layers = len(_stage_ranges(cfg)[stage])
+    saved = layers * _block_saved(cfg)[0]
+    if stage == p.pp * p.pp_virtual - 1:
+        # the final norm's input, normalised and weighted values (the head's input); the loss
+        # keeps its fp32 log-softmax (the logits themselves are freed before backward)
+        saved += 3 * sharded * m.dim * item + tokens * _vocab_local(cfg) * 4
+    else:  # the stage's output stays referenced until its gradient comes back
+        saved += sharded * m.dim * item
+    if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
+        matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim)
+        if stage == p.pp * p.pp_virtual - 1:
+            matmul += _vocab_local(cfg) * m.dim
+        saved += 2 * matmul
+    return saved
+
+
+def _stage_ranges(cfg: Config) -> list[range]:
+    from meshlm.mesh import parse_pp_layers
+    from meshlm.parallel.pipeline.stage import split_layers
+
+    p = cfg.parallel
+    counts = parse_pp_layers(p.pp_layers) if p.pp_layers else None
+    return split_layers(cfg.model.n_layers, p.pp * p.pp_virtual, counts)
+
+
+def _program(cfg: Config, pp_rank: int) -> list[tuple[bool, int]]:
+    """This rank's (is_forward, chunk) compute instructions, in the order the engine runs them."""
+    from meshlm.parallel.pipeline.runner import microbatch_plan
+
+    p = cfg.parallel
+    m = microbatch_plan(cfg)[0]
+    if p.pp == 1:
+        return [(fwd, 0) for _ in range(m) for fwd in (True, False)]
+    from meshlm.parallel.pipeline.schedules import BACKWARD, FORWARD, build_schedule
+
+    return [(ins.op == FORWARD, ins.chunk) for ins in build_schedule(p.pp_schedule, p.pp, m, p.pp_virtual)[pp_rank]
+            if ins.op in (FORWARD, BACKWARD)]
+
+
+def micro_batches_in_flight(cfg: Config, pp_rank: int) -> int:
+    """The most (micro-batch, chunk) activations rank `pp_rank` holds at once (its program's)."""
+    live = peak = 0
+    for forward, _ in _program(cfg, pp_rank):
+        live += 1 if forward else -1
+        peak = max(peak, live)
+    return peak
 
 
 # --------------------------------------------------------------------------- the model state
 
 
-def predict(cfg: Config) -> MemoryReport:
-    """Every distinct rank role's predicted bytes for `cfg` (resolved, any layout)."""
+@dataclass
+class _State:
+    """One rank's model state and the engine's transient buffers, in bytes."""
+
+    params: float
+    grads: float  # once the step's first backward has produced gradients
+    optimizer: float
+    master: float
+    gathered_forward: float = 0  # FSDP: unsharded units held during a forward
+    gathered_loss: float = 0  # ... at the loss's backward
+    gathered_backward: float = 0  # ... during a block's backward (with the prefetched one)
+    staging: float = 0  # ZeRO-2: the bucket being filled, alive through backward
+    weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
+    reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
+    step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
+
+
+def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
 
-    t, p = cfg.train, cfg.parallel
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    n = sum(counts.values())
     d = p.dp * p.cp
-    bf16 = t.dtype == "bfloat16"
-    item = 2 if bf16 and p.zero > 0 else 4
-    roles = []
-    for pp_rank in range(p.pp):
-        counts = rank_parameters(cfg, pp_rank)
-        n = sum(counts.values())
-        master = 4 * n / d if bf16 and p.zero > 0 else 0
-        optimizer = 8 * n if p.zero == 0 else 8 * n / d
-        other = 0
-        if p.zero == 0:
-            params, grads = 4 * n, 4 * n
-            if bf16:
-                other += 2 * n  # autocast's bf16 copies of the weights, saved for backward
-        elif p.zero == 1:
-            params, grads = item * n, item * n
-        elif p.zero == 2:
-            params, grads = item * n, item * n / d
-            other += min(DEFAULT_BUCKET_BYTES, item * n)
-        else:
-            params, grads = 4 * n / d, 4 * n / d
-            unit = layer_parameters(cfg.model, p.tp)
-            root = counts["embedding"] + counts["head"] + counts["norm"]
-            other += item * (root + 2 * unit)
-        activations, loss = activation_bytes(cfg, pp_rank)
-        other += loss
-        peak = params + grads + optimizer + master + activations + other
-        roles.append(RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
-                                *(int(x) for x in (params, grads, optimizer, master, activations, other, peak))))
+    bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
+    item = 2 if bf16 else 4
+    copies = 4 if backend == "gloo" else 0  # bytes per element gloo's reduce-scatter copies
+    largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
+    head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
+    if p.zero == 0:
+        return _State(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, step=2 * 4 * largest)
+    master = 4 * n / d if bf16 else 0
+    fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
+    if p.zero in (1, 2):
+        bucket = min(DEFAULT_BUCKET_BYTES // item, n)
+        shard_step = fp32_grads + 2 * 4 * largest / d
+        if p.zero == 1:
+            wide = 4 * bucket if bf16 else 0  # the bucket's fp32 copy for the reduction
+            return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
+                          reduction=wide + copies * bucket, step=shard_step)
+        return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, weight_grad=item * head,
+                      reduction=(4 + copies) * bucket, step=shard_step)
+    unit = layer_parameters(m, p.tp)
+    embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
+    root = counts["embedding"] + counts["head"] + counts["norm"]
+    return _State(4 * n / d, 4 * n / d, 8 * n / d, 0,
+                  gathered_forward=item * (root + unit), gathered_loss=item * (root - embedding),
+                  # the head's gradient waits in the root unit until the embedding's arrives, last
+                  gathered_backward=item * (root - embedding + 2 * unit) + item * head,
+                  weight_grad=item * head,
+                  reduction=(2 * 4 + copies) * unit, step=2 * 4 * largest / d)
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
+    m, p = cfg.model, cfg.parallel
+    counts = rank_parameters(cfg, pp_rank)
+    s = _state(cfg, counts, backend)
+    batch, seq = _tokens(cfg)
+    tokens = batch * seq
+    last_stage = p.pp * p.pp_virtual - 1
+    fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
+    rebuilt = _block_saved(cfg)[1]
+    points: list[RankMemory] = []
+
+    def point(phase: str, activations: float, grads: bool, other: float) -> None:
+        parts = (s.params, s.grads if grads else 0, s.optimizer, s.master, activations, fixed + other)
+        points.append(RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
+                                 *(int(x) for x in parts), int(sum(parts)), phase))
+
+    live, grads = 0, False
+    for forward, chunk in _program(cfg, pp_rank):
+        stage = chunk * p.pp + pp_rank
+        if forward:
+            live += _chunk_saved(cfg, stage)
+            point("forward", live, grads, s.gathered_forward)
+            continue
+        incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
+        if stage == last_stage:
+            vocab = tokens * _vocab_local(cfg) * 4
+            # the softmax's backward: its input's gradient and the logits' gradient, at once
+            point("loss backward", live, grads, s.gathered_loss + 2 * vocab)
+            # the head's backward: the logits' gradient takes the freed log-softmax's place
+            point("head backward", live, True, s.gathered_loss + s.staging + s.weight_grad + incoming)
+            live -= vocab
+        point("block backward", live, True, s.gathered_backward + s.staging + rebuilt + incoming)
+        grads = True
+        live -= _chunk_saved(cfg, stage) - (tokens * _vocab_local(cfg) * 4 if stage == last_stage else 0)
+    point("gradient reduction", 0, True, s.reduction)
+    point("optimizer step", 0, True, s.step)
+    return max(points, key=lambda r: r.peak_bytes)
+
+
+def predict(cfg: Config, backend: str = "nccl") -> MemoryReport:
+    """Every distinct rank role's predicted peak and its breakdown, for `cfg` (resolved, any layout).
+    backend: the collectives' library ("gloo" on CPU, "nccl" on GPUs)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    roles = [_rank_memory(cfg, pp_rank, backend) for pp_rank in range(cfg.parallel.pp)]
     return MemoryReport(max(r.peak_bytes for r in roles), roles)
