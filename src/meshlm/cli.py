@@ -228,6 +228,32 @@ def cmd_simulate(args) -> int:
     return importlib.import_module(SIMULATORS[args.name]).main(args.sim_args)
 
 
+# --------------------------------------------------------------------------- plan
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the layouts that fit a model on a cluster, ranked, bottleneck named",
+                       description="Enumerate dp x tp x pp x cp x ZeRO x recompute x micro-batch, keep what fits "
+                                   "(meshlm memory's model), rank by predicted throughput. No ranks started. "
+                                   "See docs/planning.md.")
+    p.add_argument("--model", required=True, help="a model preset, e.g. llama3-70b")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU's usual node (8)")
+    p.add_argument("--gpu", default="h100-80gb", help="h100-80gb, h200-141gb, a100-80gb, a100-40gb, b200-180gb")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq_len)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step (default: ~4M tokens, a multiple of --gpus)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (mixed precision) or float32")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_plan(args) -> int:
+    from meshlm.analysis.plan_report import run
+
+    return run(args)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -240,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     _import_parser(sub)
     _bench_parser(sub)
     _simulate_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
-                "simulate": cmd_simulate}
+                "simulate": cmd_simulate, "plan": cmd_plan}
     try:
         return commands[args.command](args)
     except ConfigError as e:

@@ -1,0 +1,193 @@
+"""`meshlm plan`: published setups land where practitioners land, the search equals a full
+evaluation, its shortcuts (fewer micro-batches for memory, extrapolated pipelines) are exact, and
+the CLI's contract (JSON fields, exit 1 with what is needed, exit 2 naming the flag)."""
+
+import functools
+import json
+
+import pytest
+
+from meshlm.analysis import plan as planner
+from meshlm.analysis.memory import predict
+from meshlm.analysis.pipeline_sim import OpCosts, simulate_schedule
+from meshlm.analysis.steptime import SIM_MICROBATCHES_MIN, SIM_MICROBATCHES_PER_STAGE, Layout, StepTime, _pipeline, step_time
+from meshlm.analysis.plan_report import overrides
+from meshlm.cli import main as cli_main
+from meshlm.config import load_config, resolve
+
+GIB = 2**30
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(model: str, gpus: int, gpus_per_node: int | None = None, top: int = 5):
+    """One search per setup for the whole module (a few seconds each)."""
+    return planner.plan(planner.workload(model, gpus, gpus_per_node), top)
+
+
+PUBLISHED = [("llama3-70b", 64), ("llama3-70b", 512), ("llama2-70b", 64), ("llama2-70b", 512), ("llama3-8b", 8)]
+
+
+@pytest.mark.parametrize("model,gpus", PUBLISHED)
+def test_published_setups_fit_keep_tp_in_a_node_and_have_a_plausible_mfu(model, gpus):
+    result = _plan(model, gpus)
+    assert result.layouts, "a layout that fits"
+    for c in result.layouts:
+        lay = c.layout
+        assert lay.world == gpus and lay.tp <= 8
+        assert c.memory_bytes <= result.work.gpu.usable_bytes < 80 * GIB
+        assert 0.30 <= c.time.mfu <= 0.55, (lay, c.time.mfu)
+    if model.endswith("70b"):  # 70B needs model parallelism: ~1.1 TB of training state
+        assert result.layouts[0].layout.tp * result.layouts[0].layout.pp > 1
+
+
+# What practitioners run (NVIDIA Megatron-Bridge performance recipes, H100 BF16, seq 8192):
+# Llama 3 70B on 64 GPUs TP=4 PP=4 CP=2 (virtual 5), Llama 3 8B on 8 GPUs CP=2. The planner must
+# agree they fit and are near its best.
+PRACTICE = [
+    ("llama3-70b", 64, Layout(2, 4, 4, 2, 1, "none", 1, "interleaved", 5)),
+    ("llama3-8b", 8, Layout(4, 1, 1, 2, 1, "none", 1)),
+    ("llama3-70b", 512, Layout(16, 4, 4, 2, 1, "none", 1, "interleaved", 5)),  # the same, scaled out by dp
+]
+
+
+@pytest.mark.parametrize("model,gpus,practice", PRACTICE)
+def test_practitioners_layouts_fit_and_are_within_5_percent_of_the_pick(model, gpus, practice):
+    result = _plan(model, gpus)
+    work = result.work
+    assert planner.memory_bytes(work, practice) <= work.gpu.usable_bytes
+    pick = result.layouts[0].time.tokens_per_s
+    assert step_time(work, practice).tokens_per_s >= 0.95 * pick
+
+
+def test_a_1b_model_on_one_gpu_is_plain_training():
+    best = _plan("1b", 1).layouts[0].layout
+    assert (best.dp, best.tp, best.pp, best.cp, best.zero) == (1, 1, 1, 1, 0)
+
+
+def test_tp_never_crosses_a_node():
+    work = planner.workload("llama3-70b", 64, gpus_per_node=4)
+    assert max(lay.tp for lay in planner.enumerate_layouts(work)) == 4
+    assert all(c.layout.tp <= 4 for c in _plan("llama3-70b", 64, 4).layouts)
+
+
+def test_the_pick_is_the_simplest_within_the_window_and_the_rest_are_by_throughput():
+    layouts = _plan("llama3-70b", 64).layouts
+    fastest = min(c.time.step_time_s for c in layouts)
+    assert layouts[0].time.step_time_s <= fastest / (1 - planner.SIMPLICITY_WINDOW)
+    rest = [c.time.step_time_s for c in layouts[1:]]
+    assert rest == sorted(rest)
+    within = [c for c in layouts if c.time.step_time_s <= fastest / (1 - planner.SIMPLICITY_WINDOW)]
+    assert layouts[0].layout.complexity() == min(c.layout.complexity() for c in within)
+
+
+def test_the_simplest_layout_within_the_window_is_recommended():
+    def cand(step, lay):
+        return planner.Candidate(lay, step, time=StepTime(step, *(0.0,) * 7, mfu=0.0, tokens_per_s=1 / step,
+                                                          microbatches=1))
+
+    fast = cand(100.0, Layout(1, 8, 8, 1, 1, "none", 1, "interleaved", 5))
+    plain = cand(102.0, Layout(64, 1, 1, 1, 3, "none", 1))  # 2% slower, no model parallelism
+    slow_plain = cand(110.0, Layout(64, 1, 1, 1, 0, "none", 1))
+    assert planner.recommend([fast, slow_plain, plain]) == [plain, fast, slow_plain]
+    assert planner.recommend([fast, slow_plain]) == [fast, slow_plain]  # 10% is too much to give up
+
+
+def test_the_search_returns_what_a_full_evaluation_does():
+    work = planner.workload("1b", 4, global_batch=32)
+    result = planner.plan(work, top=5)
+    every = {}
+    for lay in planner.enumerate_layouts(work):
+        if planner.memory_bytes(work, lay) <= work.gpu.usable_bytes:
+            t = step_time(work, lay).step_time_s
+            key = lay.structure()
+            every[key] = min(every.get(key, t), t)
+    fastest = sorted(every.values())
+    assert fastest[0] == pytest.approx(min(c.time.step_time_s for c in result.layouts))
+    fastest.remove(min(fastest, key=lambda t: abs(t - result.layouts[0].time.step_time_s)))
+    assert [c.time.step_time_s for c in result.layouts[1:]] == pytest.approx(fastest[:4])
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(1, 2, 4, 1, 1, "none", 1, "1f1b"), Layout(1, 2, 2, 1, 0, "full", 1, "1f1b"),
+    Layout(1, 1, 4, 2, 2, "selective", 1, "interleaved", 2), Layout(1, 2, 2, 2, 3, "none", 2, "interleaved", 4),
+    Layout(8, 1, 1, 1, 1, "none", 2), Layout(2, 2, 1, 2, 3, "full", 1),
+])
+def test_memory_is_asked_with_fewer_micro_batches_for_the_same_bytes(lay):
+    work = planner.workload("llama3-8b", lay.world, global_batch=lay.dp * lay.micro_batch_size * 16)
+    full = predict(planner.layout_config(work, lay)).peak_bytes
+    assert planner.memory_bytes(work, lay) == full
+
+
+@pytest.mark.parametrize("kind,pp,v,p2p", [("1f1b", 4, 1, 0.05), ("interleaved", 4, 2, 0.05), ("1f1b", 8, 1, 0.05),
+                                           ("interleaved", 2, 2, 0.0), ("interleaved", 2, 2, 0.002)])
+def test_long_pipelines_extend_the_simulation_by_steady_state_cycles(kind, pp, v, p2p):
+    fwd, bwd = (1.0,) * (pp - 1) + (1.1,), (2.0,) * (pp - 1) + (2.2,)  # the last stage has the head
+    m = 96
+    assert m > max(SIM_MICROBATCHES_PER_STAGE * pp, SIM_MICROBATCHES_MIN)
+    direct = simulate_schedule(kind, pp, m, v, OpCosts(list(fwd), list(bwd), p2p, 0.49)).step_time
+    assert _pipeline(kind, pp, m, v, fwd, bwd, p2p, 0.49) == pytest.approx(direct, rel=2e-3)
+
+
+def test_recompute_and_tp_cost_time_and_the_bottleneck_is_named():
+    work = planner.workload("llama3-70b", 64)
+    plain = step_time(work, Layout(2, 8, 4, 1, 0, "none", 1, "1f1b"))
+    full = step_time(work, Layout(2, 8, 4, 1, 0, "full", 1, "1f1b"))
+    assert full.recompute_s == pytest.approx(plain.compute_s / 3, rel=0.05)  # one more forward of the blocks
+    assert full.step_time_s > plain.step_time_s and full.tp_comm_s == pytest.approx(1.5 * plain.tp_comm_s)
+    assert plain.bottleneck == "tp comm"
+    assert step_time(work, Layout(2, 2, 8, 2, 0, "full", 1, "1f1b")).bottleneck == "memory"
+    fsdp = step_time(work, Layout(64, 1, 1, 1, 3, "full", 1))  # ZeRO-3 re-gathers 140 GB per micro-batch
+    assert fsdp.bottleneck == "dp comm"
+    assert step_time(planner.workload("1b", 1), Layout(1, 1, 1, 1, 0, "none", 4)).bottleneck == "compute"
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_cli_json_has_the_contract_fields_best_first(capsys):
+    assert cli_main(["plan", "--model", "llama3-8b", "--gpus", "8", "--json", "--top", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["layouts"]) == 3 and data["layouts"][0]["recommended"]
+    for row in data["layouts"]:
+        for key in ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch_size", "memory_bytes", "step_time_s",
+                    "mfu", "bottleneck", "pp_schedule", "pp_virtual", "tokens_per_s", "exposed_comm_s", "bubble"):
+            assert key in row
+        assert row["dp"] * row["tp"] * row["pp"] * row["cp"] == 8
+        assert row["bottleneck"] in ("memory", "compute", "tp comm", "cp comm", "pp comm", "dp comm", "bubble")
+    assert [r["step_time_s"] for r in data["layouts"][1:]] == sorted(r["step_time_s"] for r in data["layouts"][1:])
+
+
+def test_cli_prints_a_table_and_the_command_that_runs_the_pick(capsys):
+    assert cli_main(["plan", "--model", "1b", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bottleneck" in out and "run #1: meshlm train model.preset=1b" in out and "parallel.dp=1" in out
+
+
+@pytest.mark.parametrize("model,gpus", [("llama3-70b", 64), ("llama3-8b", 8)])
+def test_the_printed_overrides_are_a_valid_meshlm_train_config(model, gpus):
+    result = _plan(model, gpus)
+    for c in result.layouts:
+        cfg = resolve(load_config(None, overrides(result.work, c.layout)), world_size=gpus)
+        assert cfg.parallel.tp == c.layout.tp and cfg.parallel.pp_virtual == c.layout.pp_virtual
+
+
+def test_a_model_that_cannot_fit_exits_1_saying_what_it_needs(capsys):
+    assert cli_main(["plan", "--model", "llama3-70b", "--gpus", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("meshlm: error: llama3-70b does not fit on 2 x h100-80gb")
+    assert "GiB per GPU" in err and "needs at least 16 GPUs" in err
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--model", "llama9-1t", "--gpus", "8"], "--model"),
+    (["--model", "1b", "--gpus", "8", "--gpu", "v100-16gb"], "--gpu"),
+    (["--model", "1b", "--gpus", "0"], "--gpus"),
+    (["--model", "1b", "--gpus", "12"], "--gpus"),  # not a whole number of 8-GPU nodes
+    (["--model", "1b", "--gpus", "3", "--global-batch", "4"], "--global-batch"),  # dp must be 3
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "9000"], "--seq"),
+    (["--model", "1b", "--gpus", "8", "--top", "0"], "--top"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_flag(args, flag, capsys):
+    assert cli_main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"meshlm: error: {flag}:")
