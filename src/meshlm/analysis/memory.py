@@ -212,6 +212,8 @@ class _State:
     weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
     reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
     step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
+    grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
+                              # rather than from its first reduction (zero 2/3: the shard)
 
 
 def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
@@ -237,7 +239,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
                           reduction=wide + copies * bucket, step=shard_step)
         return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, weight_grad=item * head,
-                      reduction=(4 + copies) * bucket, step=shard_step)
+                      reduction=(4 + copies) * bucket, step=shard_step, grads_early=False)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
@@ -246,7 +248,26 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
                   # the head's gradient waits in the root unit until the embedding's arrives, last
                   gathered_backward=item * (root - embedding + 2 * unit) + item * head,
                   weight_grad=item * head,
-                  reduction=(2 * 4 + copies) * unit, step=2 * 4 * largest / d)
+                  reduction=(2 * 4 + copies) * unit, step=2 * 4 * largest / d, grads_early=False)
+
+
+def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
+    """Pipeline stages after the first defer their linears' weight gradients in each chunk's last
+    backward (parallel/pipeline/deferred_wgrad.py): every linear's output gradient (and, under full
+    recompute, every rebuilt block) stays alive until the flush."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1:
+        return 0
+    batch, seq = _tokens(cfg)
+    tokens, item = batch * seq, _itemsize(cfg)
+    layers = len(_stage_ranges(cfg)[stage])
+    outputs = (m.n_heads // p.tp + 2 * max(1, m.n_kv_heads // p.tp)) * m.head_dim + 2 * m.dim + 2 * m.ffn_dim // p.tp
+    out = layers * tokens * outputs * item
+    if cfg.train.recompute == "full":
+        out += max(0, layers - 1) * _block_saved(cfg)[1]
+    if stage == p.pp * p.pp_virtual - 1:
+        out += tokens * _vocab_local(cfg) * 4  # the logits' gradient, kept for the head's
+    return out
 
 
 # --------------------------------------------------------------------------- the walk
@@ -268,11 +289,14 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
         points.append(RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
                                  *(int(x) for x in parts), int(sum(parts)), phase))
 
+    program = _program(cfg, pp_rank)
+    saved = {c * p.pp + pp_rank: _chunk_saved(cfg, c * p.pp + pp_rank) for c in range(p.pp_virtual)}
+    last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
     live, grads = 0, False
-    for forward, chunk in _program(cfg, pp_rank):
+    for i, (forward, chunk) in enumerate(program):
         stage = chunk * p.pp + pp_rank
         if forward:
-            live += _chunk_saved(cfg, stage)
+            live += saved[stage]
             point("forward", live, grads, s.gathered_forward)
             continue
         incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
@@ -281,11 +305,13 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
             # the softmax's backward: its input's gradient and the logits' gradient, at once
             point("loss backward", live, grads, s.gathered_loss + 2 * vocab)
             # the head's backward: the logits' gradient takes the freed log-softmax's place
-            point("head backward", live, True, s.gathered_loss + s.staging + s.weight_grad + incoming)
+            point("head backward", live, grads or s.grads_early, s.gathered_loss + s.staging + s.weight_grad + incoming)
             live -= vocab
-        point("block backward", live, True, s.gathered_backward + s.staging + rebuilt + incoming)
+        deferred = _deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
+        point("block backward", live, grads or s.grads_early,
+              s.gathered_backward + s.staging + rebuilt + incoming + deferred)
         grads = True
-        live -= _chunk_saved(cfg, stage) - (tokens * _vocab_local(cfg) * 4 if stage == last_stage else 0)
+        live -= saved[stage] - (tokens * _vocab_local(cfg) * 4 if stage == last_stage else 0)
     point("gradient reduction", 0, True, s.reduction)
     point("optimizer step", 0, True, s.step)
     return max(points, key=lambda r: r.peak_bytes)

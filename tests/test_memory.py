@@ -1,0 +1,106 @@
+"""The memory model against measurement: every config of the grid runs two training steps with
+the per-rank peak tracked (`train.track_memory`, live tensor bytes on CPU), and the model's
+prediction for each pipeline rank must be within 10% of the largest measured peak of the ranks in
+that role. Step 2 is measured: the optimizer state exists from step 1's update on.
+
+The grid spans dp, zero 0-3, tp, sp, cp, pp with each schedule, recompute, bf16 and the
+micro-batch count. `python tests/test_memory.py` prints the table in docs/memory.md."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import build_trainer, small_cfg, write_offline_corpus  # noqa: E402
+
+from meshlm.analysis.memory import predict  # noqa: E402
+from meshlm.testing import run_ranks  # noqa: E402
+
+TOLERANCE = 0.10
+PP2 = ("parallel.pp=2",)
+GRID: list[tuple[int, tuple[str, ...]]] = [
+    (1, ()),
+    (1, ("train.micro_batch_size=8",)),  # one micro-batch: no gradients yet at the loss's backward
+    (1, ("train.recompute=full",)),
+    (1, ("train.recompute=selective",)),
+    (1, ("train.dtype=bfloat16",)),
+    (2, ("parallel.zero=0",)),
+    (2, ("parallel.zero=1",)),
+    (2, ("parallel.zero=2",)),
+    (2, ("parallel.zero=3",)),
+    (2, ("parallel.zero=1", "train.dtype=bfloat16")),
+    (2, ("parallel.zero=2", "train.dtype=bfloat16")),
+    (2, ("parallel.zero=3", "train.dtype=bfloat16")),
+    (2, ("parallel.tp=2",)),
+    (2, ("parallel.tp=2", "parallel.sp=true")),
+    (2, ("parallel.cp=2",)),
+    (2, (*PP2, "parallel.pp_schedule=1f1b")),
+    (2, (*PP2, "parallel.pp_schedule=gpipe")),
+    (2, (*PP2, "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")),
+    (2, (*PP2, "parallel.pp_schedule=1f1b", "train.recompute=full")),
+    (4, ("parallel.zero=3",)),
+    (4, ("parallel.zero=2", "parallel.dp=4")),
+    (4, ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1")),
+    (4, ("parallel.dp=2", "parallel.cp=2", "parallel.zero=2")),
+    (4, ("parallel.tp=2", *PP2, "parallel.pp_schedule=1f1b", "parallel.sp=true")),
+]
+
+
+def _measure(world: int, configs: list[tuple[str, ...]], corpus: Path, run_dir: Path) -> list[tuple[int, int]]:
+    """(pipeline rank, step-2 peak bytes) of this rank for each config, in one set of processes."""
+    out = []
+    for extra in configs:
+        cfg = small_cfg(corpus, run_dir, world, "train.track_memory=true", *extra)
+        trainer = build_trainer(cfg)
+        for _ in range(2):
+            trainer.train_step()
+        out.append((trainer.ctx.coord("pp"), trainer.memory.last_peak))
+    return out
+
+
+def measured_vs_predicted(corpus: Path, run_dir: Path) -> list[tuple[int, tuple[str, ...], int, int, int, str]]:
+    """(world, overrides, pp rank, measured, predicted, phase) for every role of every config."""
+    rows = []
+    for world in sorted({w for w, _ in GRID}):
+        configs = [extra for w, extra in GRID if w == world]
+        if world == 1:
+            per_rank = [_measure(1, configs, corpus, run_dir)]
+        else:
+            per_rank = run_ranks(_measure, world, world, configs, corpus, run_dir, timeout=300)
+        for i, extra in enumerate(configs):
+            report = predict(small_cfg(corpus, run_dir, world, *extra), backend="gloo")
+            by_role: dict[int, int] = {}
+            for rank_results in per_rank:
+                pp_rank, peak = rank_results[i]
+                by_role[pp_rank] = max(by_role.get(pp_rank, 0), peak)
+            for pp_rank, peak in sorted(by_role.items()):
+                role = report.ranks[pp_rank]
+                rows.append((world, extra, pp_rank, peak, role.peak_bytes, role.phase))
+    return rows
+
+
+def test_grid_has_at_least_twenty_configs():
+    assert len(GRID) >= 20
+
+
+@pytest.mark.timeout(600)
+def test_predicted_peak_within_ten_percent_of_measured(tmp_path):
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    rows = measured_vs_predicted(corpus, tmp_path / "run")
+    bad = [(w, e, pp, m, p) for w, e, pp, m, p, _ in rows if abs(p / m - 1) > TOLERANCE]
+    assert not bad, bad
+
+
+if __name__ == "__main__":  # the table in docs/memory.md
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_offline_corpus(Path(tmp) / "corpus")
+        print("| ranks | overrides (debug preset, seq 32, micro-batch 2, global 8) | role | measured | predicted | error | peak at |")
+        print("|---|---|---|---:|---:|---:|---|")
+        for world, extra, pp_rank, measured, predicted, phase in measured_vs_predicted(corpus, Path(tmp) / "run"):
+            print(f"| {world} | {' '.join(extra) or '(defaults)'} | pp{pp_rank} | {measured:,} | {predicted:,} | "
+                  f"{predicted / measured - 1:+.1%} | {phase} |")
