@@ -11,8 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import build_trainer, small_cfg, write_offline_corpus  # noqa: E402
 
@@ -21,6 +19,7 @@ from meshlm.testing import run_ranks  # noqa: E402
 
 TOLERANCE = 0.10
 PP2 = ("parallel.pp=2",)
+WIDE = ("model.dim=256", "model.ffn_dim=768", "train.seq_len=16")  # model state over activations
 GRID: list[tuple[int, tuple[str, ...]]] = [
     (1, ()),
     (1, ("train.micro_batch_size=8",)),  # one micro-batch: no gradients yet at the loss's backward
@@ -42,6 +41,8 @@ GRID: list[tuple[int, tuple[str, ...]]] = [
     (2, (*PP2, "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")),
     (2, (*PP2, "parallel.pp_schedule=1f1b", "train.recompute=full")),
     (4, ("parallel.zero=3",)),
+    (4, ("parallel.zero=3", *WIDE)),  # gathered units and their prefetch dominate
+    (2, ("parallel.zero=2", *WIDE)),
     (4, ("parallel.zero=2", "parallel.dp=4")),
     (4, ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1")),
     (4, ("parallel.dp=2", "parallel.cp=2", "parallel.zero=2")),
@@ -86,7 +87,6 @@ def test_grid_has_at_least_twenty_configs():
     assert len(GRID) >= 20
 
 
-@pytest.mark.timeout(600)
 def test_predicted_peak_within_ten_percent_of_measured(tmp_path):
     corpus = write_offline_corpus(tmp_path / "corpus")
     rows = measured_vs_predicted(corpus, tmp_path / "run")

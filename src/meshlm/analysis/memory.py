@@ -212,6 +212,7 @@ class _State:
     weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
     reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
     step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
+    reduces_in_backward: bool = False  # FSDP: each unit's reduction starts inside backward
     grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
                               # rather than from its first reduction (zero 2/3: the shard)
 
@@ -248,7 +249,10 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
                   # the head's gradient waits in the root unit until the embedding's arrives, last
                   gathered_backward=item * (root - embedding + 2 * unit) + item * head,
                   weight_grad=item * head,
-                  reduction=(2 * 4 + copies) * unit, step=2 * 4 * largest / d, grads_early=False)
+                  # a unit completes: its gradients flattened into fp32 staging while both gathered
+                  # units stay (gloo's copy of the staging comes after the gradients are dropped)
+                  reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
+                  step=2 * 4 * largest / d, grads_early=False, reduces_in_backward=True)
 
 
 def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
@@ -310,6 +314,8 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
         deferred = _deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
         point("block backward", live, grads or s.grads_early,
               s.gathered_backward + s.staging + rebuilt + incoming + deferred)
+        if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
+            point("gradient reduction", live - _block_saved(cfg)[0], grads, s.reduction)
         grads = True
         live -= saved[stage] - (tokens * _vocab_local(cfg) * 4 if stage == last_stage else 0)
     point("gradient reduction", 0, True, s.reduction)
