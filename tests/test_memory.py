@@ -104,3 +104,70 @@ if __name__ == "__main__":  # the table in docs/memory.md
         for world, extra, pp_rank, measured, predicted, phase in measured_vs_predicted(corpus, Path(tmp) / "run"):
             print(f"| {world} | {' '.join(extra) or '(defaults)'} | pp{pp_rank} | {measured:,} | {predicted:,} | "
                   f"{predicted / measured - 1:+.1%} | {phase} |")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _memory_json(capsys, *args: str) -> dict:
+    import json
+
+    from meshlm.cli import main
+
+    assert main(["memory", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_json_for_a_layout_of_64_ranks_without_starting_any(capsys):
+    out = _memory_json(capsys, "--device-memory", "80GiB", "model.preset=llama3-70b", "parallel.dp=8",
+                       "parallel.tp=8", "parallel.pp=1", "parallel.zero=3", "train.dtype=bfloat16",
+                       "train.seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=64",
+                       "train.recompute=full", "parallel.sp=true")
+    assert out["peak_bytes"] == max(r["peak_bytes"] for r in out["ranks"])
+    for role in out["ranks"]:
+        parts = [role[f] for f in ("params_bytes", "grads_bytes", "optimizer_bytes", "master_bytes",
+                                   "activations_bytes", "other_bytes")]
+        assert all(isinstance(x, int) and x >= 0 for x in parts) and sum(parts) == role["peak_bytes"]
+    assert out["fits"] and out["device_memory_bytes"] == 80 * 2**30
+
+
+def test_memory_names_the_changes_that_would_fit(capsys):
+    out = _memory_json(capsys, "--device-memory", "80GiB", "model.preset=llama3-8b", "parallel.dp=8",
+                       "train.dtype=bfloat16", "train.seq_len=8192", "train.micro_batch_size=1",
+                       "train.global_batch_size=64")
+    assert not out["fits"] and out["peak_bytes"] > 80 * 2**30
+    assert out["suggestions"] and all(s["peak_bytes"] <= 80 * 2**30 for s in out["suggestions"])
+    assert "parallel.zero=3" in [s["overrides"] for s in out["suggestions"]]
+
+
+def test_memory_pipeline_roles_and_plot(capsys, tmp_path):
+    plot = tmp_path / "m.png"
+    out = _memory_json(capsys, "--plot", str(plot), "--device-memory", "80GB", "model.preset=llama2-7b",
+                       "parallel.pp=4", "parallel.pp_schedule=1f1b", "train.global_batch_size=8",
+                       "train.micro_batch_size=1", "train.seq_len=1024")
+    assert [r["role"] for r in out["ranks"]] == ["pp0", "pp1", "pp2", "pp3"]
+    # 1F1B: stage r holds pp - r micro-batches, so the first stage holds the most activations
+    acts = [r["activations_bytes"] for r in out["ranks"]]
+    assert acts[0] > acts[1] > acts[2]
+    assert plot.stat().st_size > 10_000
+
+
+def test_memory_bad_input_is_one_line_exit_2(capsys):
+    from meshlm.cli import main
+
+    assert main(["memory", "model.preset=nope"]) == 2
+    assert "model.preset" in capsys.readouterr().err
+    assert main(["memory", "--device-memory", "lots", "model.preset=debug"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
+    assert main(["memory", "parallel.tp=3", "model.preset=debug"]) == 2
+
+
+def test_train_logs_predicted_and_measured_peak(tmp_path):
+    from helpers import run_meshlm, small_train_args
+
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    args = [a for a in small_train_args(corpus, tmp_path / "run", steps=2) if not a.startswith("train.track_memory")]
+    out = run_meshlm("train", *args, "run.sample_tokens=0").stdout
+    predicted = [line for line in out.splitlines() if line.startswith("memory: predicted peak")]
+    measured = [line for line in out.splitlines() if line.startswith("memory: measured peak")]
+    assert len(predicted) == 1 and len(measured) == 1, out

@@ -228,6 +228,28 @@ def cmd_simulate(args) -> int:
     return importlib.import_module(SIMULATORS[args.name]).main(args.sim_args)
 
 
+# --------------------------------------------------------------------------- memory
+
+
+def _memory_parser(sub) -> None:
+    p = sub.add_parser("memory", help="predicted per-rank memory of a config, by category (no ranks started)",
+                       description="The memory model's breakdown per rank role for the same keys as meshlm train; "
+                                   "the layout comes from parallel.* alone. See docs/memory.md.")
+    p.add_argument("--config", help="a TOML config file (see configs/)")
+    p.add_argument("--device-memory", help="capacity per rank, e.g. 80GiB (default: the visible GPU's)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="collectives library: nccl (GPUs, default) or gloo (CPU runs)")
+    p.add_argument("--plot", metavar="FILE.png", help="stacked breakdown for zero 0-3, recompute on and off")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.preset=llama3-8b parallel.dp=8")
+
+
+def cmd_memory(args) -> int:
+    from meshlm.analysis.memory_report import run
+
+    return run(args)
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -267,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     _simulate_parser(sub)
     _plan_parser(sub)
+    _memory_parser(sub)
     args = parser.parse_args(argv)
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
-                "simulate": cmd_simulate, "plan": cmd_plan}
+                "simulate": cmd_simulate, "plan": cmd_plan, "memory": cmd_memory}
     try:
         return commands[args.command](args)
     except ConfigError as e:

@@ -159,6 +159,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None and type(None) in allowed:
         return None
+    if value is None and str in allowed:  # `train.recompute=none`: the word, where None is no value
+        return "none"
     for typ in allowed:
         if typ is bool and isinstance(value, bool):
             return value

@@ -225,7 +225,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     d = p.dp * p.cp
     bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
     item = 2 if bf16 else 4
-    copies = 4 if backend == "gloo" else 0  # bytes per element gloo's reduce-scatter copies
+    copies = 4 if backend == "gloo" and d > 1 else 0  # bytes per element gloo's reduce-scatter copies
     largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     if p.zero == 0:

@@ -226,7 +226,8 @@ def activation_bytes_per_layer(cfg, batch: int, seq: int, tp: int, sequence_para
     b, s, h, a, k, f = batch, seq, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
     d = h // a
     outside = 6 * h + 2
-    inside = b * s * ((a // tp) * d * 2 + 2 * (k // tp) * d + (a // tp) + 4 * (f // tp))
+    kv_local = max(1, k // tp)  # one whole kv head per rank when tp is a multiple of n_kv_heads
+    inside = b * s * ((a // tp) * d * 2 + 2 * kv_local * d + (a // tp) + 4 * (f // tp))
     outside_elements = b * (s // tp if sequence_parallel else s) * outside
     return (outside_elements + inside) * itemsize
 

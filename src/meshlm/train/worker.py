@@ -17,6 +17,7 @@ from meshlm.config import Config, ConfigError, RunError, load_config, resolve
 from meshlm.mesh import ParallelContext, default_backend, default_device
 from meshlm.train.data import prepare_data
 from meshlm.train.host_memory import keep_freed_host_memory
+from meshlm.train.metrics import format_bytes
 from meshlm.train.trainer import Trainer
 from meshlm.train.weights import save_final
 
@@ -48,6 +49,29 @@ def start_state(trainer: Trainer) -> None:
         trainer.metrics.print(f"initialised from {cfg.model.init_from}")
 
 
+def _log_predicted_memory(trainer: Trainer) -> int | None:
+    """The memory model's peak for this run, logged before the first step (docs/memory.md)."""
+    from meshlm.analysis.memory import predict
+
+    try:
+        report = predict(trainer.cfg, backend="gloo" if trainer.device.type == "cpu" else "nccl")
+    except Exception as e:  # an estimate must never stop a run
+        trainer.metrics.print(f"memory: no prediction ({e})")
+        return None
+    worst = max(report.ranks, key=lambda r: r.peak_bytes)
+    trainer.metrics.print(f"memory: predicted peak {format_bytes(report.peak_bytes)} per rank ({worst.role}, "
+                          f"at the {worst.phase}; meshlm memory shows the breakdown)")
+    return report.peak_bytes
+
+
+def _log_measured_memory(trainer: Trainer, rows: list[dict], predicted: int | None) -> None:
+    measured = max((r["mem_peak_bytes"] for r in rows if r.get("mem_peak_bytes")), default=None)
+    if measured is None or predicted is None:
+        return
+    trainer.metrics.print(f"memory: measured peak {format_bytes(measured)} per rank, predicted "
+                          f"{format_bytes(predicted)} ({predicted / measured - 1:+.1%})")
+
+
 def _layout_text(layout: dict) -> str:
     return " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero") if k in layout)
 
@@ -69,7 +93,9 @@ def train_rank(cfg: Config) -> list[dict]:
         trainer = Trainer(cfg, ctx, data)
         trainer.stop_signals = signals
         start_state(trainer)
+        predicted = _log_predicted_memory(trainer)
         rows = trainer.fit()
+        _log_measured_memory(trainer, rows, predicted)
     if trainer.stopped_by is not None:  # not finished: no final weights; the checkpoint is the result
         if ctx.rank == 0:
             (run_dir / PREEMPTED).write_text(json.dumps({"step": trainer.step, "signal": trainer.stopped_by,
