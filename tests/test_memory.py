@@ -171,3 +171,14 @@ def test_train_logs_predicted_and_measured_peak(tmp_path):
     predicted = [line for line in out.splitlines() if line.startswith("memory: predicted peak")]
     measured = [line for line in out.splitlines() if line.startswith("memory: measured peak")]
     assert len(predicted) == 1 and len(measured) == 1, out
+
+
+def test_micro_batches_in_flight_come_from_the_schedule(tmp_path):
+    from meshlm.analysis.memory import micro_batches_in_flight
+
+    def held(*extra):
+        cfg = small_cfg(write_offline_corpus(tmp_path), tmp_path / "run", 4, "parallel.pp=4", "model.n_layers=4", "train.micro_batch_size=1", *extra)
+        return [micro_batches_in_flight(cfg, r) for r in range(4)]
+
+    assert held("parallel.pp_schedule=1f1b") == [4, 3, 2, 1]  # stage r: pp - r (8 micro-batches)
+    assert held("parallel.pp_schedule=gpipe") == [8, 8, 8, 8]
