@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import pytest  # noqa: E402
 from helpers import build_trainer, small_cfg, write_offline_corpus  # noqa: E402
 
-from meshlm.analysis.memory import predict  # noqa: E402
+from meshlm.analysis.memory import predict, rank_parameters  # noqa: E402
 from meshlm.testing import run_ranks  # noqa: E402
 
 TOLERANCE = 0.10
@@ -182,3 +183,18 @@ def test_micro_batches_in_flight_come_from_the_schedule(tmp_path):
 
     assert held("parallel.pp_schedule=1f1b") == [4, 3, 2, 1]  # stage r: pp - r (8 micro-batches)
     assert held("parallel.pp_schedule=gpipe") == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_preset_has_a_prediction(dtype):
+    from meshlm.config import load_config, resolve
+    from meshlm.model.presets import PRESETS
+
+    for preset in PRESETS:
+        cfg = resolve(load_config(None, [f"model.preset={preset}", f"train.dtype={dtype}", "train.seq_len=256",
+                                         "train.micro_batch_size=1", "train.global_batch_size=2"]), world_size=1)
+        report = predict(cfg)
+        (role,) = report.ranks
+        n = sum(rank_parameters(cfg, 0).values())
+        assert role.params_bytes == 4 * n and role.optimizer_bytes == 8 * n  # DDP: fp32 weights, AdamW
+        assert report.peak_bytes > 12 * n + role.activations_bytes
