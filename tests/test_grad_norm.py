@@ -1,0 +1,65 @@
+"""The reported gradient norm and clipping under every layout, against one process.
+
+A replicated parameter (a norm weight under TP, the tied embedding's pipeline duplicate, a kv head
+replicated across tp ranks) must count toward the global norm exactly once, and ZeRO/FSDP shards
+and CP's token split must add up to the same sum of squares. With `train.grad_clip` far below the
+norm, clipping scales every update by clip/norm, so a wrong norm also changes every weight: both
+the reported norm (each step) and the weights after three clipped AdamW steps are compared."""
+
+import pytest
+import torch
+
+from meshlm.testing import run_ranks
+
+from helpers import build_trainer, small_cfg
+
+STEPS = 3
+CLIP = ("train.grad_clip=0.05",)  # the debug model's norms are ~0.3-0.6: clipping binds on every step
+
+
+def norms_losses_weights(corpus, run_dir, world_size, layouts):
+    out = []
+    for layout in layouts:
+        cfg = small_cfg(corpus, run_dir, world_size, *CLIP, *layout, steps=STEPS)
+        trainer = build_trainer(cfg)
+        results = [trainer.train_step() for _ in range(STEPS)]
+        weights = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
+        out.append(([r.grad_norm for r in results], [r.loss for r in results],
+                     weights if trainer.ctx.rank == 0 else None))
+    return out
+
+
+TIED = ("model.tie_embeddings=true",)
+LAYOUTS = {
+    2: [("parallel.zero=0",), ("parallel.zero=1",), ("parallel.zero=2",), ("parallel.zero=3",),
+        ("parallel.tp=2",), ("parallel.tp=2", "parallel.sp=true"), ("parallel.cp=2",),
+        ("parallel.pp=2", *TIED), ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")],
+    4: [("parallel.tp=4",),  # tp a multiple of n_kv_heads=2: each kv head replicated on two ranks
+        ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1", *TIED),
+        ("parallel.dp=2", "parallel.pp=2", "parallel.zero=1", *TIED),
+        ("parallel.tp=2", "parallel.cp=2", "parallel.zero=0"),
+        ("parallel.dp=2", "parallel.cp=2", "parallel.zero=3")],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_grad_norm_and_clipping_equal_one_process(corpus, tmp_path, world):
+    layouts = LAYOUTS[world]
+    def model_keys(layout):  # the single-process reference has the same model
+        return tuple(x for x in layout if x.startswith("model."))
+
+    refs = {}
+    for model in sorted({model_keys(layout) for layout in layouts}):
+        ((norms, losses, weights),) = norms_losses_weights(corpus, tmp_path / "one", 1, [model])
+        assert min(norms) > 5 * float(CLIP[0].split("=")[1])  # clipping acts on every step
+        refs[model] = norms, losses, weights
+    per_rank = run_ranks(norms_losses_weights, world, corpus, tmp_path / "n", world, layouts, timeout=400)
+    for i, layout in enumerate(layouts):
+        ref_norms, ref_losses, ref_weights = refs[model_keys(layout)]
+        for rank, results in enumerate(per_rank):
+            norms, losses, weights = results[i]
+            assert norms == pytest.approx(ref_norms, rel=1e-6), (layout, rank)
+            assert losses == pytest.approx(ref_losses, abs=1e-5), (layout, rank)
+            if weights is not None:
+                for name, ref in ref_weights.items():
+                    assert torch.allclose(weights[name], ref, atol=1e-5, rtol=0), (layout, name)
