@@ -19,6 +19,9 @@ def test_single_process_run_writes_the_run_directory_contract(single_cli_run):
     assert (run_dir / "config.toml").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert (run_dir / "logs" / "rank0.log").exists()
     assert "--- sample" in proc.stdout
+    # the memory model's prediction before step 1, the measured peak beside it at the end
+    assert [line.split(" peak")[0] for line in proc.stdout.splitlines() if line.startswith("memory: ")] == \
+        ["memory: predicted", "memory: measured"]
 
 
 def test_two_ranks_through_torchrun_follow_the_single_process_loss_curve(corpus, single_cli_run, tmp_path):

@@ -163,17 +163,6 @@ def test_memory_bad_input_is_one_line_exit_2(capsys):
     assert main(["memory", "parallel.tp=3", "model.preset=debug"]) == 2
 
 
-def test_train_logs_predicted_and_measured_peak(tmp_path):
-    from helpers import run_meshlm, small_train_args
-
-    corpus = write_offline_corpus(tmp_path / "corpus")
-    args = [a for a in small_train_args(corpus, tmp_path / "run", steps=2) if not a.startswith("train.track_memory")]
-    out = run_meshlm("train", *args, "run.sample_tokens=0").stdout
-    predicted = [line for line in out.splitlines() if line.startswith("memory: predicted peak")]
-    measured = [line for line in out.splitlines() if line.startswith("memory: measured peak")]
-    assert len(predicted) == 1 and len(measured) == 1, out
-
-
 def test_micro_batches_in_flight_come_from_the_schedule(tmp_path):
     from meshlm.analysis.memory import micro_batches_in_flight
 
