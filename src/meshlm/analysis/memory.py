@@ -285,7 +285,8 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
     tokens = batch * seq
     last_stage = p.pp * p.pp_virtual - 1
     fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
-    rebuilt = _block_saved(cfg)[1]
+    block_saved, rebuilt = _block_saved(cfg)
+    vocab = tokens * _vocab_local(cfg) * 4  # one fp32 [tokens, vocab/tp] buffer
     points: list[RankMemory] = []
 
     def point(phase: str, activations: float, grads: bool, other: float) -> None:
@@ -305,7 +306,6 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
             continue
         incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
         if stage == last_stage:
-            vocab = tokens * _vocab_local(cfg) * 4
             # the softmax's backward: its input's gradient and the logits' gradient, at once
             point("loss backward", live, grads, s.gathered_loss + 2 * vocab)
             # the head's backward: the logits' gradient takes the freed log-softmax's place
@@ -315,9 +315,9 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
         point("block backward", live, grads or s.grads_early,
               s.gathered_backward + s.staging + rebuilt + incoming + deferred)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
-            point("gradient reduction", live - _block_saved(cfg)[0], grads, s.reduction)
+            point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
-        live -= saved[stage] - (tokens * _vocab_local(cfg) * 4 if stage == last_stage else 0)
+        live -= saved[stage] - (vocab if stage == last_stage else 0)
     point("gradient reduction", 0, True, s.reduction)
     point("optimizer step", 0, True, s.step)
     return max(points, key=lambda r: r.peak_bytes)
