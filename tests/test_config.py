@@ -1,11 +1,15 @@
 """Configuration: loading, overrides, validation, and the CLI's exit-2 contract."""
 
+import dataclasses
 import subprocess
 import sys
+import types
+import typing
 
 import pytest
 
-from meshlm.config import ConfigError, load_config, resolve, to_toml
+from meshlm import cli
+from meshlm.config import RANGES, Config, ConfigError, load_config, resolve, to_toml
 
 
 def test_overrides_parse_types_and_presets_fill_the_rest():
@@ -91,3 +95,106 @@ def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert key in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- every declared range
+
+
+def _declared_keys() -> dict[str, type]:
+    """Every key of every section, with its value type (int, float, bool or str)."""
+    keys, cfg = {}, Config()
+    for section in dataclasses.fields(Config):
+        section_cls = type(getattr(cfg, section.name))
+        for name, annotation in typing.get_type_hints(section_cls).items():
+            allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+            keys[f"{section.name}.{name}"] = next(t for t in allowed if t is not type(None))
+    return keys
+
+
+def _invalid_values(key: str) -> list[str]:
+    """Override texts this key must refuse, derived from its declared type and range: the nearest
+    values outside each bound, 0 and -1 where those are outside too, nan/inf for numbers, a word
+    outside the choices, blanks where it must be non-empty, and a value of the wrong type."""
+    typ, allowed = _declared_keys()[key], RANGES[key]
+    wrong_type = {int: ["abc", "1.5"], float: ["abc"], bool: ["yes", "1"], str: ["3"]}[typ]
+    values = []
+    if typ in (int, float):
+        step = 1 if typ is int else 1e-3
+        if allowed.low is not None:
+            below = allowed.low if allowed.low_open else allowed.low - step
+            values += [below] + [v for v in (0, -1) if v < allowed.low or (v == allowed.low and allowed.low_open)]
+        if allowed.high is not None:
+            values.append(allowed.high if allowed.high_open else allowed.high + step)
+        if typ is float:
+            values += ["nan", "inf"]
+    if allowed.choices:
+        values.append('"no-such-choice"')
+    if allowed.nonempty:
+        values += ['""', '" "']
+    return [repr(v) if isinstance(v, (int, float)) else v for v in dict.fromkeys(values)] + wrong_type
+
+
+def test_every_key_declares_its_range():
+    """A new key without a RANGES entry fails here, so its check cannot go untested below."""
+    assert set(RANGES) == set(_declared_keys())
+
+
+CASES = [(key, text) for key in sorted(RANGES) for text in _invalid_values(key)]
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_key_refuses_what_is_outside_its_range(key):
+    for text in _invalid_values(key):
+        with pytest.raises(ConfigError) as err:
+            resolve(load_config(None, [f"{key}={text}"]))
+        message = str(err.value)
+        assert message.startswith(f"{key}:") and "\n" not in message, (text, message)
+
+
+@pytest.mark.parametrize("key", [k for k in sorted(RANGES) if RANGES[k].low is not None or RANGES[k].high is not None])
+def test_every_numeric_bound_admits_the_bound_itself_unless_open(key):
+    allowed = RANGES[key]
+    for bound, is_open in ((allowed.low, allowed.low_open), (allowed.high, allowed.high_open)):
+        if bound is not None:
+            assert allowed.accepts(bound) != is_open, (key, bound)
+
+
+def test_the_configuration_reference_states_every_range_and_default():
+    """docs/configuration.md is the spec users read: its 'accepts' and 'default' columns must be
+    what the code enforces, so a bound loosened in RANGES fails here unless the docs change too."""
+    from pathlib import Path
+
+    doc = Path(__file__).parent.parent / "docs" / "configuration.md"
+    rows = {}
+    for line in doc.read_text().splitlines():
+        if line.startswith("| `"):
+            key, _, default, accepts, _ = (cell.strip() for cell in line.strip("|").split(" | "))
+            rows[key.strip("`")] = (default, accepts)
+    assert set(rows) == set(RANGES)
+    cfg = Config()
+    for key, (default, accepts) in rows.items():
+        allowed = RANGES[key]
+        assert accepts == allowed.describe() + (f" ({allowed.note})" if allowed.note else ""), key
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        assert default == ("unset" if value is None else _doc_value(value)), key
+
+
+def _doc_value(value) -> str:
+    return "true" if value is True else "false" if value is False else f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def test_train_exits_2_with_one_line_for_every_refused_value(tmp_path, monkeypatch, capsys):
+    """The CLI path of every case above, in process (a rank start per case would cost minutes):
+    exit 2, one line naming the key, nothing run. A value that slipped through would reach the
+    resume precheck, which is made to fail loudly here."""
+    import meshlm.train.checkpoint.resume as resume
+
+    def started(*_, **__):
+        raise AssertionError("validation passed")
+
+    monkeypatch.setattr(resume, "precheck", started)
+    for key, text in CASES:
+        assert cli.main(["train", f"run.dir={tmp_path}", f"{key}={text}"]) == 2, (key, text)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{key}:" in err and "Traceback" not in err, (key, text, err)

@@ -146,6 +146,122 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one key accepts beyond its type: numeric bounds, a set of words, or non-empty.
+
+    Every key of every section has one in RANGES (tests/test_config.py sweeps them all, so a new
+    key cannot land without its check being exercised). None ("from the preset", "not set")
+    passes; numbers must also be finite. Checks that need two keys or the world size stay in
+    validate() below."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # the bound itself is excluded
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+    nonempty: bool = False
+    note: str = ""  # what a boundary value means, e.g. "0 disables"
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "non-empty" if self.nonempty else "any"
+
+    def accepts(self, value: Any) -> bool:
+        if value is None or isinstance(value, bool):
+            return True
+        if isinstance(value, str):
+            return (not self.choices or value in self.choices) and (not self.nonempty or bool(value.strip()))
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or not (value > self.high or (self.high_open and value == self.high))
+
+    def check(self, key: str, value: Any) -> None:
+        if not self.accepts(value):
+            note = f" ({self.note})" if self.note else ""
+            raise ConfigError(f"{key}: must be {self.describe()}{note}, got {value!r}")
+
+
+def _at_least(low: float, note: str = "") -> Range:
+    return Range(low=low, note=note)
+
+
+def _above(low: float) -> Range:
+    return Range(low=low, low_open=True)
+
+
+ANY = Range()  # type-checked only: flags, paths checked where they are read, free text
+POSITIVE_INT = _at_least(1)
+
+RANGES: dict[str, Range] = {
+    "model.preset": Range(choices=tuple(PRESETS)),
+    **{f"model.{k}": POSITIVE_INT for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                                            "max_seq_len")},
+    "model.rope_theta": _above(0),
+    "model.tie_embeddings": ANY,
+    "model.norm_eps": _above(0),
+    "model.init_from": ANY,  # a directory: read (and its errors named) in resolve()
+    **{f"train.{k}": POSITIVE_INT for k in ("steps", "seq_len", "micro_batch_size", "global_batch_size",
+                                            "eval_batches", "log_interval")},
+    "train.lr": _above(0),
+    "train.min_lr_ratio": Range(low=0, high=1),
+    "train.warmup_steps": _at_least(0),
+    "train.weight_decay": _at_least(0),
+    "train.beta1": Range(low=0, high=1, high_open=True),
+    "train.beta2": Range(low=0, high=1, high_open=True),
+    "train.eps": _above(0),  # 0 turns an exactly-zero gradient into 0/0 in Adam's update
+    "train.grad_clip": _at_least(0, "0 disables"),
+    "train.dtype": Range(choices=("float32", "bfloat16")),
+    "train.recompute": Range(choices=("none", "full", "selective")),
+    "train.eval_interval": _at_least(0, "0 disables"),
+    "train.peak_tflops": _above(0),
+    "train.track_memory": ANY,
+    "train.keep_host_memory": ANY,
+    "parallel.dp": _at_least(0, "0 = world size / (tp*cp*pp)"),
+    **{f"parallel.{k}": POSITIVE_INT for k in ("tp", "pp", "cp", "pp_virtual")},
+    "parallel.zero": Range(low=0, high=3),
+    "parallel.sp": ANY,
+    "parallel.pp_schedule": Range(choices=("gpipe", "1f1b", "interleaved")),
+    "parallel.pp_microbatches": _at_least(0, "0 = global batch / (dp * micro-batch)"),
+    "parallel.pp_layers": ANY,  # a list of layer counts: parsed and checked with the layout (mesh.py)
+    "parallel.pp_defer_wgrad": ANY,
+    "data.path": ANY,  # checked to exist in validate()
+    "data.val_fraction": Range(low=0, high=0.5, low_open=True, high_open=True),
+    "data.cache_dir": ANY,
+    "data.tokenizer": ANY,  # loaded (and its errors named) in validate()
+    "checkpoint.interval": _at_least(0, "0 = only final/"),
+    "checkpoint.keep": POSITIVE_INT,
+    "checkpoint.resume": Range(nonempty=True, note="auto, never or a checkpoint directory"),
+    "checkpoint.async_save": ANY,
+    "checkpoint.stop_timeout_s": _above(0),
+    "debug.fault": Range(choices=("none", "kill")),
+    "debug.fault_rank": _at_least(0),  # and below the world size: validate()
+    "debug.fault_step": POSITIVE_INT,
+    "run.dir": Range(nonempty=True),
+    "run.seed": _at_least(0),  # numpy's SeedSequence (the data order) rejects negative seeds
+    "run.sample_tokens": _at_least(0, "0 = no sample"),
+    "run.sample_prompt": ANY,
+}
+
+
+def check_ranges(cfg: Config) -> None:
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        allowed.check(key, getattr(getattr(cfg, section), name))
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -236,10 +352,8 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     for name, value in PRESETS[m.preset].items():
         if getattr(m, name) is None:
             setattr(m, name, value)
+    check_ranges(cfg)
     p = cfg.parallel
-    for key in ("tp", "pp", "cp", "pp_virtual"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
     model_parallel = p.tp * p.cp * p.pp
     if p.dp == 0:
         if world_size % model_parallel:
@@ -276,38 +390,19 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config, world_size: int = 1) -> None:
+    """Each key's own range (RANGES), then the checks that relate keys to each other and to the
+    world size."""
+    check_ranges(cfg)
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-        _require(getattr(m, key) >= 1, f"model.{key}: must be >= 1, got {getattr(m, key)}")
     _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")
     _require(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
              f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     _require(m.vocab_size >= 260 or d.tokenizer is not None,
              f"model.vocab_size: {m.vocab_size} is too small for a byte-level BPE (>= 260)")
-    _require(m.rope_theta > 0, f"model.rope_theta: must be > 0, got {m.rope_theta}")
-    _require(m.norm_eps > 0, f"model.norm_eps: must be > 0, got {m.norm_eps}")
-
-    for key in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "log_interval", "eval_batches"):
-        _require(getattr(t, key) >= 1, f"train.{key}: must be >= 1, got {getattr(t, key)}")
     _require(t.seq_len <= m.max_seq_len, f"train.seq_len: {t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    _require(t.lr > 0 and math.isfinite(t.lr), f"train.lr: must be a positive number, got {t.lr}")
-    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
-    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/train.beta2: must be in [0, 1)")
-    _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
-    _require(t.eval_interval >= 0, f"train.eval_interval: must be >= 0 (0 disables), got {t.eval_interval}")
-    _require(t.dtype in ("float32", "bfloat16"), f"train.dtype: must be float32 or bfloat16, got {t.dtype!r}")
-    _require(t.recompute in ("none", "full", "selective"),
-             f"train.recompute: must be none, full or selective, got {t.recompute!r}")
-    _require(t.peak_tflops is None or t.peak_tflops > 0, f"train.peak_tflops: must be > 0, got {t.peak_tflops}")
 
     _require(p.dp >= 1, f"parallel.dp: must be >= 1 (or 0 for auto), got {p.dp}")
-    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
-    _require(p.pp_schedule in ("gpipe", "1f1b", "interleaved"),
-             f"parallel.pp_schedule: must be gpipe, 1f1b or interleaved, got {p.pp_schedule!r}")
-    _require(p.pp_microbatches >= 0, f"parallel.pp_microbatches: must be >= 0, got {p.pp_microbatches}")
     layout = p.dp * p.tp * p.cp * p.pp
     _require(layout == world_size,
              f"parallel: dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {layout} does not equal the world size {world_size}")
@@ -338,7 +433,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
 
-    _require(0 < d.val_fraction < 0.5, f"data.val_fraction: must be in (0, 0.5), got {d.val_fraction}")
     if d.path is not None:
         _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
     if d.tokenizer is not None:  # a pretrained tokenizer: usable, and its ids fit the embedding
@@ -348,16 +442,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(pretrained.n_ids <= m.vocab_size,
                  f"model.vocab_size: {m.vocab_size} is smaller than the vocabulary of data.tokenizer "
                  f"{pretrained.path} ({pretrained.n_ids} ids)")
-    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval: must be >= 0, got {cfg.checkpoint.interval}")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
-    _require(bool(cfg.checkpoint.resume.strip()), "checkpoint.resume: must be auto, never or a checkpoint directory")
-    _require(cfg.checkpoint.stop_timeout_s > 0,
-             f"checkpoint.stop_timeout_s: must be > 0, got {cfg.checkpoint.stop_timeout_s}")
-    dbg = cfg.debug
-    _require(dbg.fault in ("none", "kill"), f"debug.fault: must be none or kill, got {dbg.fault!r}")
-    _require(0 <= dbg.fault_rank < world_size, f"debug.fault_rank: must be in 0..{world_size - 1}, got {dbg.fault_rank}")
-    _require(dbg.fault_step >= 1, f"debug.fault_step: must be >= 1, got {dbg.fault_step}")
-    _require(cfg.run.sample_tokens >= 0, f"run.sample_tokens: must be >= 0, got {cfg.run.sample_tokens}")
+    _require(cfg.debug.fault_rank < world_size,
+             f"debug.fault_rank: must be in 0..{world_size - 1}, got {cfg.debug.fault_rank}")
 
 
 # --------------------------------------------------------------------------- writing
