@@ -1,5 +1,6 @@
-"""Pieces the test files share: the offline corpus, a small training config, the CLI runner and a
-loader that gives data-parallel ranks different numbers of target tokens."""
+"""Pieces the test files share: the offline corpus, a small training config, the CLI runner, a
+loader that gives data-parallel ranks different numbers of target tokens, and the plain PyTorch
+training loop the trainer is compared with."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 class UnevenlyMaskedLoader(TokenLoader):
     """Masks a different number of leading targets in each sample of the global batch, so dp
-    ranks hold different target-token counts."""
+    ranks and the micro-batches within a rank hold different target-token counts: a mean of
+    per-micro-batch (or per-rank) means then differs from the global mean."""
 
     def _rows(self, step, start, count):
         inputs, targets = super()._rows(step, start, count)
@@ -113,3 +115,66 @@ def local_batch(step: int, rank: int, n: int, vocab: int = 512, global_batch: in
     share = global_batch // n
     rows = tokens[rank * share: (rank + 1) * share]
     return rows[:, :-1], rows[:, 1:], global_batch * seq
+
+
+def plain_pytorch_reference(cfg: Config, loader_cls: type[TokenLoader] = UnevenlyMaskedLoader, n_steps: int = 3):
+    """The trainer's reference, written from the spec with torch alone (no meshlm trainer,
+    optimizer, schedule or loss code): the whole global batch in one forward, the mean of
+    F.cross_entropy over the target tokens, clip_grad_norm_, torch's AdamW with decay on matrices
+    only, linear warmup then cosine decay to min_lr_ratio * lr.
+
+    Returns (gradients of step 0 before clipping, the loss of each step, parameters after
+    n_steps). Only the model and the sample order come from meshlm: the model is compared with
+    transformers' Llama in test_model.py, the sample order is the data contract."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from meshlm.model import Llama, init_weights
+    from meshlm.train.data import prepare_data
+
+    t = cfg.train
+    tokens = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None).train_tokens()
+    loader = loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
+    model = Llama(cfg.model)
+    init_weights(model, cfg.run.seed)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    gains = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                                   {"params": gains, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2),
+                                  eps=t.eps)
+
+    def lr(step):
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    grads, losses = None, []
+    for step in range(n_steps):
+        inputs, targets = loader.global_batch(step)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr(step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grads, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def target_counts(cfg: Config, loader_cls: type[TokenLoader], dp_size: int, step: int = 0) -> list[list[int]]:
+    """Target tokens per micro-batch of each dp rank at `step`: the evidence that a test with
+    `loader_cls` really has uneven counts."""
+    from meshlm.train.data import prepare_data
+
+    t = cfg.train
+    tokens = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None).train_tokens()
+    loader = loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
+    return [[int((tgt != IGNORE_INDEX).sum()) for _, tgt in loader.microbatches(step, r, dp_size, t.micro_batch_size)]
+            for r in range(dp_size)]
