@@ -39,13 +39,15 @@ def test_flat_layout_buckets_in_reverse_order_padded_and_sharded_exactly():
     assert [s.name for s in layout.slots] == ["p4", "p3", "p2", "p1", "p0"]
     assert [[s.name for s in b.slots] for b in layout.buckets] == [["p4", "p3"], ["p2", "p1"], ["p0"]]
     assert all(b.numel % 4 == 0 for b in layout.buckets) and layout.numel == 16 + 12 + 8
-    for b in layout.buckets:  # the 4 shards of each bucket cover its parameters exactly once
-        covered = [0] * layout.numel
-        for r in range(4):
-            for seg in layout.segments(*b.shard(r, 4), b.slots):
-                for i in range(seg.lo, seg.hi):
-                    covered[i] += 1
-        assert all(covered[i] == 1 for s in b.slots for i in range(s.start, s.end))
+    for world in (2, 3, 4):  # ZeRO aligns to the world: each bucket's shards cover it exactly once
+        layout = FlatLayout(list(reversed(params)), bucket_bytes=4 * 10, align=world)
+        for b in layout.buckets:
+            covered = [0] * layout.numel
+            for r in range(world):
+                for seg in layout.segments(*b.shard(r, world), b.slots):
+                    for i in range(seg.lo, seg.hi):
+                        covered[i] += 1
+            assert all(covered[i] == 1 for s in b.slots for i in range(s.start, s.end)), (world, b)
 
 
 def test_ready_tracker_launches_in_order_and_learns_unused_parameters():

@@ -30,6 +30,8 @@ def norms_losses_weights(corpus, run_dir, world_size, layouts):
 
 
 TIED = ("model.tie_embeddings=true",)
+BATCH6 = ("train.global_batch_size=6",)
+HEADS6 = ("model.dim=96", "model.n_heads=6", "model.n_kv_heads=3", "model.ffn_dim=192")
 LAYOUTS = {
     2: [("parallel.zero=0",), ("parallel.zero=1",), ("parallel.zero=2",), ("parallel.zero=3",),
         ("parallel.tp=2",), ("parallel.tp=2", "parallel.sp=true"), ("parallel.cp=2",),
@@ -39,14 +41,23 @@ LAYOUTS = {
         ("parallel.dp=2", "parallel.pp=2", "parallel.zero=1", *TIED),
         ("parallel.tp=2", "parallel.cp=2", "parallel.zero=0"),
         ("parallel.dp=2", "parallel.cp=2", "parallel.zero=3")],
+    # A world that is not a power of two, where off-by-one shard and rank arithmetic that 2 and 4
+    # forgive shows: bucket and FSDP shards of 1/3 (padded), vocab 512 in shards of 171 (padded
+    # to 513), heads and sequence split 3 ways, 3 pipeline stages, 6 CP chunks of 5 tokens.
+    3: [(*BATCH6, f"parallel.zero={zero}") for zero in range(4)] + [
+        (*HEADS6, "train.seq_len=30", "parallel.tp=3", "parallel.sp=true"),
+        (*HEADS6, "model.n_kv_heads=1", "parallel.tp=3"),  # one kv head replicated on 3 ranks
+        ("train.seq_len=30", "parallel.cp=3"),
+        ("model.n_layers=3", "parallel.pp=3", *TIED),
+        (*BATCH6, "model.n_layers=6", "parallel.pp=3", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2")],
 }
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_grad_norm_and_clipping_equal_one_process(corpus, tmp_path, world):
     layouts = LAYOUTS[world]
-    def model_keys(layout):  # the single-process reference has the same model
-        return tuple(x for x in layout if x.startswith("model."))
+    def model_keys(layout):  # the single-process reference has the same model and batch
+        return tuple(x for x in layout if x.startswith(("model.", "train.")))
 
     refs = {}
     for model in sorted({model_keys(layout) for layout in layouts}):
