@@ -159,6 +159,21 @@ def test_every_numeric_bound_admits_the_bound_itself_unless_open(key):
             assert allowed.accepts(bound) != is_open, (key, bound)
 
 
+def test_a_range_error_states_the_range_its_meaning_and_the_value():
+    assert _range_error("train.steps", 0) == "train.steps: must be >= 1, got 0"
+    assert _range_error("train.grad_clip", -1.0) == "train.grad_clip: must be >= 0 (0 disables), got -1.0"
+    assert _range_error("train.beta2", 1.0) == "train.beta2: must be in [0, 1), got 1.0"
+    assert _range_error("train.dtype", "fp8") == "train.dtype: must be one of float32, bfloat16, got 'fp8'"
+    with pytest.raises(dataclasses.FrozenInstanceError):  # shared entries (POSITIVE_INT) stay as declared
+        RANGES["train.steps"].low = 0
+
+
+def _range_error(key, value) -> str:
+    with pytest.raises(ConfigError) as err:
+        RANGES[key].check(key, value)
+    return str(err.value)
+
+
 def test_the_configuration_reference_states_every_range_and_default():
     """docs/configuration.md is the spec users read: its 'accepts' and 'default' columns must be
     what the code enforces, so a bound loosened in RANGES fails here unless the docs change too."""

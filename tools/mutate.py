@@ -1,0 +1,156 @@
+"""`make mutate [MODULES=...]`: mutation testing of the modules that hold meshlm's core maths.
+
+A mutant is a one-token change (a `+` for a `-`, `<` for `<=`, a constant off by one, a loop that
+never runs, ...). A test suite that passes with a mutant in place cannot tell that code from the
+real one: the mutant *survived*, and either a test is missing or the change is equivalent.
+
+The tool is cosmic-ray, not mutmut: meshlm's tests fork ranks. mutmut 3 switches mutants inside
+one process through trampolines and learns which tests cover a function by recording its calls
+in the pytest process, so code that runs only in forked ranks (the collectives, the sharded
+engines) looks untested to it. cosmic-ray writes each mutant into the source file and runs an
+ordinary test command, which every forked rank then executes as well.
+
+Each module is mutated in a private copy of src/ and tests/ (build/mutate/NAME/), never in the
+working tree, against the tests that exist for it. Results: build/mutate/NAME/summary.json and a
+table on stdout; docs/testing.md records the scores and explains every surviving mutant.
+
+    .venv/bin/python tools/mutate.py              # every module (what `make mutate` runs)
+    .venv/bin/python tools/mutate.py ring config  # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "mutate"
+
+# name: (module, the tests that exist for it). Chosen to run in seconds, so a module's mutants
+# take minutes, not hours; the rest of the suite adds time, not kills.
+MODULES = {
+    "ring": ("src/meshlm/comm/ring.py", ["tests/test_comm.py", "-k", "ring_algorithms or traffic or bus_factors"]),
+    "vocab_parallel": ("src/meshlm/parallel/vocab_parallel.py",
+                       ["tests/test_vocab_parallel.py", "tests/test_tensor_parallel.py", "-k",
+                        "vocab or boundary or logits_loss_and_every_gradient"]),
+    "data_parallel": ("src/meshlm/parallel/data_parallel.py",
+                      ["tests/test_zero.py", "-k", "every_stage_equals or bf16"]),
+    "flat_buffer": ("src/meshlm/parallel/flat_buffer.py",
+                    ["tests/test_ddp.py", "tests/test_zero.py::test_every_stage_equals_the_single_process_reference",
+                     "-k", "flat_layout or ready_tracker or equals_torch or unused or every_stage"]),
+    "schedules": ("src/meshlm/parallel/pipeline/schedules.py", ["tests/test_pipeline_schedules.py"]),
+    "config": ("src/meshlm/config.py", ["tests/test_config.py", "-k", "not cli_exits"]),
+    "config_ranges": ("src/meshlm/config_ranges.py", ["tests/test_config.py", "-k", "not cli_exits"]),
+}
+
+# Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
+# produce absurd sizes at once (killed, but each costs a test run and says nothing); `is`/`is not`
+# for `==` on numbers is not a bug anyone writes; the variable inserter/replacer rename names into
+# NameErrors. What is left: arithmetic and comparison swaps, constants +-1, and/or, not, booleans,
+# break/continue, loops that never run, exception types, decorators.
+EXCLUDED_OPERATORS = [
+    r"core/ReplaceBinaryOperator_.*_(Pow|RShift|LShift|BitOr|BitAnd|BitXor)$",
+    r"core/ReplaceComparisonOperator_.*_(Is|IsNot)$",
+    r"core/VariableInserter", r"core/VariableReplacer",
+]
+
+
+def _copy_tree(workdir: Path) -> None:
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for part in ("src", "tests", "docs", "configs"):
+        if (ROOT / part).exists():
+            shutil.copytree(ROOT / part, workdir / part, ignore=skip)
+
+
+def _test_command(test_args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                             *test_args])
+
+
+def _cosmic_ray(*args: str, cwd: Path, env: dict) -> None:
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=cwd, env=env, check=True)
+
+
+def run_module(name: str) -> dict:
+    module, test_args = MODULES[name]
+    workdir = OUT / name
+    _copy_tree(workdir)
+    env = {**__import__("os").environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    baseline = subprocess.run(shlex.split(_test_command(test_args)), cwd=workdir, env=env, capture_output=True)
+    baseline_s = time.perf_counter() - t0
+    if baseline.returncode != 0:
+        raise SystemExit(f"mutate: {name}: the unmutated tests fail:\n{baseline.stdout.decode()[-3000:]}")
+    config = workdir / "cosmic-ray.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f'module-path = "{module}"\n'
+        f"timeout = {max(60.0, 4 * baseline_s):.0f}.0\n"  # a hung collective counts as killed
+        "excluded-modules = []\n"
+        f"test-command = {json.dumps(_test_command(test_args))}\n"
+        '[cosmic-ray.distributor]\nname = "local"\n'
+        "[cosmic-ray.filters.operators-filter]\n"
+        f"exclude-operators = {json.dumps(EXCLUDED_OPERATORS)}\n")
+    session = workdir / "session.sqlite"
+    session.unlink(missing_ok=True)
+    _cosmic_ray("cosmic-ray", "init", str(config), str(session), cwd=workdir, env=env)
+    _cosmic_ray("cr-filter-operators", str(session), str(config), cwd=workdir, env=env)
+    t0 = time.perf_counter()
+    _cosmic_ray("cosmic-ray", "exec", str(config), str(session), cwd=workdir, env=env)
+    summary = _summarise(name, module, test_args, session, workdir, env)
+    summary["seconds"] = round(time.perf_counter() - t0)
+    summary["baseline_seconds"] = round(baseline_s, 1)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summarise(name: str, module: str, test_args: list[str], session: Path, workdir: Path, env: dict) -> dict:
+    dump = subprocess.run([str(Path(sys.executable).parent / "cosmic-ray"), "dump", str(session)], cwd=workdir,
+                          env=env, capture_output=True, text=True, check=True).stdout
+    counts = {"killed": 0, "survived": 0, "incompetent": 0, "skipped": 0}
+    survivors = []
+    for line in dump.splitlines():
+        item, result = json.loads(line)
+        if result is None or result.get("worker_outcome") == "skipped":
+            counts["skipped"] += 1
+            continue
+        outcome = result.get("test_outcome") or "incompetent"
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome == "survived":
+            mutation = item["mutations"][0]
+            survivors.append({"line": mutation["start_pos"][0], "operator": mutation["operator_name"],
+                              "diff": "\n".join(l for l in (result.get("diff") or "").splitlines()
+                                                if l.startswith(("-", "+")) and not l.startswith(("---", "+++")))})
+    tested = counts["killed"] + counts["survived"]
+    return {"module": module, "tests": " ".join(test_args), **counts, "mutants": tested,
+            "score": round(counts["killed"] / tested, 3) if tested else None,
+            "survivors": sorted(survivors, key=lambda s: s["line"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", choices=[[], *MODULES], metavar="MODULE",
+                        help=f"some of: {', '.join(MODULES)} (default: all)")
+    names = parser.parse_args().modules or list(MODULES)
+    results = [run_module(name) for name in names]
+    print(f"\n{'module':48} {'mutants':>7} {'killed':>6} {'survived':>8} {'score':>6} {'minutes':>7}")
+    for r in results:
+        print(f"{r['module']:48} {r['mutants']:7d} {r['killed']:6d} {r['survived']:8d} "
+              f"{r['score'] if r['score'] is not None else '-':>6} {r['seconds'] / 60:7.1f}")
+    for r in results:
+        for s in r["survivors"]:
+            print(f"\nsurvived: {r['module']}:{s['line']} ({s['operator']})\n{s['diff']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
