@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test clean
+.PHONY: setup train test mutate clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ train: setup
 
 test: setup
 	$(PY) -m pytest
+
+# Mutation testing of the core maths (docs/testing.md): minutes per module, not part of `make test`.
+mutate: setup
+	$(PY) -m pip install -q -e '.[mutate]'
+	$(PY) tools/mutate.py $(MODULES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

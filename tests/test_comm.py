@@ -222,6 +222,10 @@ def _ring_rank(n):
     lib_i = xi.clone()
     dist.all_reduce(lib_i)
     assert torch.equal(ring_all_reduce(Comm(ctx), xi.clone(), "dp"), lib_i)  # integers: exactly equal
+    strided = xi[: 3 * (n + 1)].clone().view(3, n + 1).t()  # not contiguous: reduced in place all the same
+    lib_strided = strided.contiguous()
+    dist.all_reduce(lib_strided)
+    assert ring_all_reduce(Comm(ctx), strided, "dp") is strided and torch.equal(strided, lib_strided)
     sizes = [i + 1 for i in range(n)]  # uneven chunks: rank i contributes i+1 elements
     gathered = ring_all_gather(Comm(ctx), torch.full((sizes[r],), float(r)), "dp", sizes)
     assert torch.equal(gathered, torch.cat([torch.full((s,), float(i)) for i, s in enumerate(sizes)]))

@@ -86,11 +86,12 @@ def ring_all_reduce(comm: Comm, tensor: torch.Tensor, axis: AxesLike) -> torch.T
     """Sum `tensor` over the group, in place: ring reduce-scatter, then ring all-gather of the
     reduced chunks, on one buffer. Returns `tensor`."""
     _, n, _, _, _ = _ring(comm, axis)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    contiguous = tensor.is_contiguous()
+    flat = tensor.view(-1) if contiguous else tensor.reshape(-1).clone()
     chunks = list(flat.tensor_split(n))
     assert [c.numel() for c in chunks] == ring_chunks(flat.numel(), n)  # the cost model's chunking
     _reduce_scatter_chunks(comm, chunks, axis)
     _all_gather_chunks(comm, chunks, axis)
-    if flat.data_ptr() != tensor.data_ptr():
+    if not contiguous:  # the ring summed a copy
         tensor.copy_(flat.view_as(tensor))
     return tensor
