@@ -125,6 +125,52 @@ def test_1f1b_reads_like_the_paper():
     assert compute_order("1f1b", 2, 4, rank=1) == [(op, i, 0) for i in range(4) for op in (FORWARD, BACKWARD)]
 
 
+# Checked by hand, exchange by exchange: each receive is posted in the batch after the producer's
+# compute ends and before the op that consumes it; a rank's sends to one peer and that peer's
+# receives come in the same order; sends and receives of the same tick share one batch. The
+# invariant tests above accept any valid placement; this pins the one meshlm posts. A deliberate
+# change of placement re-checks these by hand and updates them.
+PLACEMENTS = {
+    ("1f1b", 2, 3, 1): [
+        "rank 0: F0.0 [send_act 0.0 ->1] F1.0 [send_act 1.0 ->1, recv_grad 0.0 <-1] B0.0 F2.0 "
+        "[send_act 2.0 ->1, recv_grad 1.0 <-1] B1.0 [recv_grad 2.0 <-1] B2.0 reduce_grads optimizer_step",
+        "rank 1: [recv_act 0.0 <-0] F0.0 [recv_act 1.0 <-0] B0.0 [send_grad 0.0 ->0] F1.0 B1.0 "
+        "[recv_act 2.0 <-0, send_grad 1.0 ->0] F2.0 B2.0 [send_grad 2.0 ->0] reduce_grads optimizer_step"],
+    ("gpipe", 3, 2, 1): [
+        "rank 0: F0.0 [send_act 0.0 ->1] F1.0 [send_act 1.0 ->1, recv_grad 0.0 <-1] B0.0 [recv_grad 1.0 <-1] B1.0 "
+        "reduce_grads optimizer_step",
+        "rank 1: [recv_act 0.0 <-0] F0.0 [send_act 0.0 ->2, recv_act 1.0 <-0] F1.0 [send_act 1.0 ->2, recv_grad 0.0 <-2] "
+        "B0.0 [send_grad 0.0 ->0, recv_grad 1.0 <-2] B1.0 [send_grad 1.0 ->0] reduce_grads optimizer_step",
+        "rank 2: [recv_act 0.0 <-1] F0.0 [recv_act 1.0 <-1] F1.0 B0.0 [send_grad 0.0 ->1] B1.0 [send_grad 1.0 ->1] "
+        "reduce_grads optimizer_step"],
+    ("interleaved", 2, 2, 2): [
+        "rank 0: F0.0 [send_act 0.0 ->1] F1.0 [recv_act 0.1 <-1, send_act 1.0 ->1] F0.1 [send_act 0.1 ->1, "
+        "recv_act 1.1 <-1] F1.1 [send_act 1.1 ->1, recv_grad 0.1 <-1] B0.1 [send_grad 0.1 ->1, recv_grad 1.1 <-1] "
+        "B1.1 [recv_grad 0.0 <-1, send_grad 1.1 ->1] B0.0 [recv_grad 1.0 <-1] B1.0 reduce_grads optimizer_step",
+        "rank 1: [recv_act 0.0 <-0] F0.0 [send_act 0.0 ->0, recv_act 1.0 <-0] F1.0 [recv_act 0.1 <-0, "
+        "send_act 1.0 ->0] F0.1 [recv_act 1.1 <-0] B0.1 [send_grad 0.1 ->0] F1.1 B1.1 [recv_grad 0.0 <-0, "
+        "send_grad 1.1 ->0] B0.0 [send_grad 0.0 ->0, recv_grad 1.0 <-0] B1.0 [send_grad 1.0 ->0] "
+        "reduce_grads optimizer_step"],
+}
+
+
+@pytest.mark.parametrize("kind,pp,m,v", list(PLACEMENTS))
+def test_exchanges_are_placed_as_checked_by_hand(kind, pp, m, v):
+    assert format_schedule(build_schedule(kind, pp, m, v)).splitlines() == PLACEMENTS[(kind, pp, m, v)]
+
+
+def test_compute_orders_that_wait_on_each_other_are_a_deadlock_naming_the_stuck_ops():
+    from meshlm.parallel.pipeline.schedules import _tick_times
+
+    # Rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activation; rank 1
+    # wants micro-batch 1 first. Each order is valid on its own rank.
+    orders = [[(FORWARD, 0, 0), (BACKWARD, 0, 0), (FORWARD, 1, 0), (BACKWARD, 1, 0)],
+              [(FORWARD, 1, 0), (BACKWARD, 1, 0), (FORWARD, 0, 0), (BACKWARD, 0, 0)]]
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        _tick_times(PipelineShape(2, 2), orders)
+    assert "{0: ('backward', 0, 0), 1: ('forward', 1, 0)}" in str(err.value)
+
+
 def _torch_orders(kind, pp, m, v):
     """torch.distributed.pipelining's own per-rank compute order (a private API, built without
     process groups: only the attributes its order functions read are set)."""
