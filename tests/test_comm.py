@@ -226,6 +226,9 @@ def _ring_rank(n):
     lib_strided = strided.contiguous()
     dist.all_reduce(lib_strided)
     assert ring_all_reduce(Comm(ctx), strided, "dp") is strided and torch.equal(strided, lib_strided)
+    for wrong in (r + 2, r):  # a sizes list that disagrees with this rank's chunk, either way
+        with pytest.raises(ValueError, match=rf"sizes\[{r}\] = {wrong} but"):
+            ring_all_gather(Comm(ctx), torch.zeros(r + 1), "dp", [wrong] * n)
     sizes = [i + 1 for i in range(n)]  # uneven chunks: rank i contributes i+1 elements
     gathered = ring_all_gather(Comm(ctx), torch.full((sizes[r],), float(r)), "dp", sizes)
     assert torch.equal(gathered, torch.cat([torch.full((s,), float(i)) for i, s in enumerate(sizes)]))
