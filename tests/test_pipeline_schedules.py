@@ -171,6 +171,27 @@ def test_compute_orders_that_wait_on_each_other_are_a_deadlock_naming_the_stuck_
     assert "{0: ('backward', 0, 0), 1: ('forward', 1, 0)}" in str(err.value)
 
 
+def test_build_schedule_refuses_what_check_schedule_refuses_except_for_evaluation():
+    with pytest.raises(ScheduleError, match="interleaved"):
+        build_schedule("1f1b", 2, 4, 2)
+    assert build_schedule("1f1b", 2, 4, 2, forward_only=True)  # evaluation runs forwards only, any v
+
+
+def test_peak_in_flight_counts_forwards_not_yet_backwarded():
+    program = [Instruction(op, mb) for op, mb in
+               [(FORWARD, 0), (BACKWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 1), (FORWARD, 3), (BACKWARD, 2)]]
+    assert peak_in_flight(program) == 2
+
+
+def test_only_p2p_instructions_carry_a_message():
+    shape = PipelineShape(2, 2, 2)
+    assert shape.message(1, Instruction(RECV_ACT, 3, 1, 0)) == ("act", 3, 2)  # rank 1 chunk 1 = stage 3
+    assert shape.message(1, Instruction(RECV_GRAD, 3, 0, 0)) == ("grad", 3, 2)
+    for op in (FORWARD, BACKWARD, REDUCE_GRADS, OPTIMIZER_STEP):
+        with pytest.raises(ValueError, match="not a P2P"):
+            shape.message(0, Instruction(op, 0))
+
+
 def _torch_orders(kind, pp, m, v):
     """torch.distributed.pipelining's own per-rank compute order (a private API, built without
     process groups: only the attributes its order functions read are set)."""

@@ -168,6 +168,33 @@ def run_module(name: str, sample: int) -> dict:
     return summary
 
 
+def recheck_survivors(name: str) -> dict:
+    """Run the survivors of the last run of `name` again against the working tree's current
+    tests (after new tests were written for them), without running every mutant again. The
+    module itself must be unchanged since that run: mutants are stored as source positions."""
+    import sqlite3
+
+    module, test_args = MODULES[name]
+    workdir = OUT / name
+    session = workdir / "session.sqlite"
+    if (ROOT / module).read_text() != (workdir / module).read_text():
+        raise SystemExit(f"mutate: {module} changed since the last run of {name}: run it again in full")
+    for part in ("tests", "docs"):
+        shutil.rmtree(workdir / part)
+        shutil.copytree(ROOT / part, workdir / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with sqlite3.connect(session) as db:
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+    env = {**__import__("os").environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    previous = json.loads((workdir / "summary.json").read_text())
+    t0 = time.perf_counter()
+    _cosmic_ray("cosmic-ray", "exec", str(workdir / "cosmic-ray.toml"), str(session), cwd=workdir, env=env)
+    summary = _summarise(name, module, test_args, session, workdir, env)
+    summary.update(sample=previous["sample"], baseline_seconds=previous["baseline_seconds"],
+                   seconds=previous["seconds"] + round(time.perf_counter() - t0))
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def _summarise(name: str, module: str, test_args: list[str], session: Path, workdir: Path, env: dict) -> dict:
     dump = subprocess.run([str(Path(sys.executable).parent / "cosmic-ray"), "dump", str(session)], cwd=workdir,
                           env=env, capture_output=True, text=True, check=True).stdout
@@ -198,9 +225,12 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=250,
                         help="mutants per module, drawn at random (seed 0) where a module has more (default 250)")
     parser.add_argument("--all", action="store_true", help="every mutant, however many")
+    parser.add_argument("--recheck", action="store_true",
+                        help="only the last run's survivors, against the current tests")
     args = parser.parse_args()
     names = args.modules or list(MODULES)
-    results = [run_module(name, 0 if args.all else args.sample) for name in names]
+    results = [recheck_survivors(name) if args.recheck else run_module(name, 0 if args.all else args.sample)
+               for name in names]
     print(f"\n{'module':44} {'mutants':>11} {'killed':>6} {'survived':>8} {'score':>6} {'minutes':>7}")
     for r in results:
         of = f"{r['mutants']}/{r['sample']['of']}" if r["sample"] else str(r["mutants"])
