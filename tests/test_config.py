@@ -58,6 +58,36 @@ def test_bad_values_raise_one_line_naming_the_key(overrides, key):
     assert key in str(err.value) and "\n" not in str(err.value)
 
 
+def test_checks_that_relate_keys_to_each_other_and_to_the_world():
+    def refused(overrides, world_size=1):
+        with pytest.raises(ConfigError) as err:
+            resolve(load_config(None, overrides), world_size=world_size)
+        return str(err.value)
+
+    assert refused(["model.dim=36", "model.n_heads=4", "model.n_kv_heads=2"]).startswith("model.dim: head dim 9")
+    layout = ["parallel.dp=2", "parallel.tp=2", "train.global_batch_size=16"]
+    assert resolve(load_config(None, layout), world_size=4).parallel.dp == 2
+    assert "2*2*1*1 = 4 does not equal the world size 2" in refused(layout, world_size=2)
+    inferred = resolve(load_config(None, ["parallel.tp=2", "parallel.cp=2", "train.micro_batch_size=8"]), world_size=8)
+    assert inferred.parallel.dp == 2  # world 8 / (tp 2 * cp 2)
+    assert refused(["debug.fault_rank=2"], world_size=2) == "debug.fault_rank: must be in 0..1, got 2"
+
+
+def test_a_pretrained_tokenizer_must_fit_the_embedding_exactly_or_with_room(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["to be or not to be"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    n_ids = tokenizer.get_vocab_size()
+    fits = ["model.preset=debug", f"data.tokenizer={tmp_path}"]
+    assert resolve(load_config(None, [*fits, f"model.vocab_size={n_ids}"])).model.vocab_size == n_ids
+    with pytest.raises(ConfigError, match=f"model.vocab_size: {n_ids - 1} is smaller than the vocabulary"):
+        resolve(load_config(None, [*fits, f"model.vocab_size={n_ids - 1}"]))
+
+
 def test_an_explicit_pipeline_split_must_cover_every_layer_once():
     base = ["model.n_layers=4", "parallel.pp=2", "train.micro_batch_size=4", "train.global_batch_size=16"]
     assert resolve(load_config(None, [*base, "parallel.pp_layers=3,1"]), world_size=2).parallel.pp_layers == "3,1"

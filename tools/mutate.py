@@ -50,7 +50,14 @@ MODULES = {
                     ["tests/test_ddp.py", "tests/test_zero.py::test_every_stage_equals_the_single_process_reference",
                      "-k", "flat_layout or ready_tracker or equals_torch or unused or every_stage"]),
     "schedules": ("src/meshlm/parallel/pipeline/schedules.py", ["tests/test_pipeline_schedules.py"]),
-    "config": ("src/meshlm/config.py", ["tests/test_config.py", "-k", "not cli_exits"]),
+    # The config's cross-key checks are tested beside the techniques they guard (layouts in
+    # test_mesh, pipelines in test_pipeline_schedules, model.init_from in test_hf_interop).
+    "config": ("src/meshlm/config.py", [
+        "tests/test_config.py", "tests/test_mesh.py",
+        "tests/test_pipeline_schedules.py::test_bad_pipeline_configs_fail_before_ranks_start_naming_the_key",
+        "tests/test_pipeline_schedules.py::test_a_valid_pipeline_config_resolves",
+        "tests/test_hf_interop.py::test_config_comes_from_the_source_and_contradictions_name_the_key",
+        "-k", "not cli_exits"]),
     "config_ranges": ("src/meshlm/config_ranges.py", ["tests/test_config.py", "-k", "not cli_exits"]),
 }
 

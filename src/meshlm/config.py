@@ -273,7 +273,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
+def validate(cfg: Config, world_size: int) -> None:
     """Each key's own range (RANGES), then the checks that relate keys to each other and to the
     world size."""
     check_ranges(cfg)
@@ -286,7 +286,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              f"model.vocab_size: {m.vocab_size} is too small for a byte-level BPE (>= 260)")
     _require(t.seq_len <= m.max_seq_len, f"train.seq_len: {t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
-    _require(p.dp >= 1, f"parallel.dp: must be >= 1 (or 0 for auto), got {p.dp}")
     layout = p.dp * p.tp * p.cp * p.pp
     _require(layout == world_size,
              f"parallel: dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {layout} does not equal the world size {world_size}")
