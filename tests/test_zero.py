@@ -178,3 +178,20 @@ def test_model_state_bytes_per_rank_match_the_formulas(world_size, dtypes):
             expected = n_params * (replicated + sharded / world_size)
             assert measured == pytest.approx(expected, rel=0.05), (zero, dtype, measured, by_kind)
             assert sum(by_kind.values()) == pytest.approx(expected, rel=0.05), (zero, dtype, by_kind)
+
+
+def test_the_engine_and_its_precision_follow_parallel_zero_and_train_dtype():
+    """bf16 with ZeRO 1-3: bf16 parameters and gradients over fp32 masters; with DDP, fp32
+    parameters under autocast (the same 16 bytes/parameter, and the model stays fp32)."""
+    from meshlm.parallel.data_parallel import build_data_parallel, precision_for
+    from meshlm.parallel.mixed_precision import BF16, FP32
+
+    def cfg(zero, dtype):
+        return resolve(load_config(None, [f"parallel.zero={zero}", f"train.dtype={dtype}"]))
+
+    assert [precision_for(cfg(z, "bfloat16")) for z in range(4)] == [FP32, BF16, BF16, BF16]
+    assert [precision_for(cfg(z, "float32")) for z in range(4)] == [FP32] * 4
+    beyond = cfg(3, "float32")
+    beyond.parallel.zero = 4  # past validation: the engine table itself must refuse it
+    with pytest.raises(ValueError, match="parallel.zero must be 0, 1, 2 or 3"):
+        build_data_parallel(torch.nn.Linear(2, 2), beyond, comm=None)
