@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from meshlm.comm import Comm
 from meshlm.mesh import Layout, ParallelContext
 from meshlm.model.loss import IGNORE_INDEX
-from meshlm.parallel.vocab_parallel import VocabParallelEmbedding, VocabShard, vocab_parallel_cross_entropy
+from meshlm.parallel.vocab_parallel import (VocabParallelEmbedding, VocabParallelLoss, VocabShard,
+                                           vocab_parallel_cross_entropy)
 from meshlm.testing import run_ranks
 
 VOCAB, DIM = 10, 6
@@ -36,8 +37,15 @@ def _ranks_loss(scale: float, dtype: torch.dtype):
     full = (torch.randn(len(targets), VOCAB, generator=g) * scale).to(dtype)
     full[0, targets[0]] = scale  # one target that is also the row's largest logit
     local = full[:, shard.start: shard.start + shard.real].clone().requires_grad_(True)
+    before = local.detach().clone()
     loss = vocab_parallel_cross_entropy(local, targets, shard, comm)
     loss.sum().backward()
+    assert torch.equal(local.detach(), before)  # by default the logits are left as they were
+    # The trainer's loss consumes its logits (the softmax overwrites them: one [tokens, vocab/tp]
+    # buffer less at the peak) and gives the same sum.
+    consumed = before.float().clone()
+    total = VocabParallelLoss(shard, comm)(consumed, targets)
+    assert torch.allclose(total, loss.detach().float().sum(), rtol=1e-6) and not torch.equal(consumed, before.float())
     return loss.detach(), local.grad.float(), shard.start, shard.real
 
 
