@@ -46,6 +46,7 @@ def test_dp_is_inferred_from_the_world_size():
     (["model.n_heads=5"], "model.dim"),
     (["model.n_kv_heads=4"], "model.n_kv_heads"),
     (["train.global_batch_size=30", "train.micro_batch_size=16"], "train.global_batch_size"),
+    (["parallel.pp_microbatches=2", "train.micro_batch_size=3"], "train.global_batch_size"),  # pp=1: count unused
     (["train.seq_len=99999"], "train.seq_len"),
     (["parallel.dp=3"], "parallel"),
     (["data.path=/no/such/file"], "data.path"),
@@ -151,10 +152,10 @@ def _invalid_values(key: str) -> list[str]:
     if typ in (int, float):
         step = 1 if typ is int else 1e-3
         if allowed.low is not None:
-            below = allowed.low if allowed.low_open else allowed.low - step
-            values += [below] + [v for v in (0, -1) if v < allowed.low or (v == allowed.low and allowed.low_open)]
+            values += [allowed.low - step] + [allowed.low] * allowed.low_open
+            values += [v for v in (0, -1) if v < allowed.low or (v == allowed.low and allowed.low_open)]
         if allowed.high is not None:
-            values.append(allowed.high if allowed.high_open else allowed.high + step)
+            values += [allowed.high + step] + [allowed.high] * allowed.high_open
         if typ is float:
             values += ["nan", "inf"]
     if allowed.choices:
