@@ -72,6 +72,10 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     inferred = resolve(load_config(None, ["parallel.tp=2", "parallel.cp=2", "train.micro_batch_size=8"]), world_size=8)
     assert inferred.parallel.dp == 2  # world 8 / (tp 2 * cp 2)
     assert refused(["debug.fault_rank=2"], world_size=2) == "debug.fault_rank: must be in 0..1, got 2"
+    assert "does not equal the world size 2" in refused(["parallel.dp=1"], world_size=2)  # too few, not only too many
+    assert refused(["parallel.sp=true"]).startswith("parallel.sp=true: sequence parallelism shards along tp")
+    with pytest.raises(ConfigError, match="overrides have the form section.key=value"):
+        load_config(None, ["train.steps"])
 
 
 def test_a_pretrained_tokenizer_must_fit_the_embedding_exactly_or_with_room(tmp_path):

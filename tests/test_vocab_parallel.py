@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from meshlm.comm import Comm
 from meshlm.mesh import Layout, ParallelContext
 from meshlm.model.loss import IGNORE_INDEX
-from meshlm.parallel.vocab_parallel import (VocabParallelEmbedding, VocabParallelLoss, VocabShard,
+from meshlm.parallel.vocab_parallel import (VocabParallelEmbedding, VocabParallelLoss, VocabShard, gather_logits,
                                            vocab_parallel_cross_entropy)
 from meshlm.testing import run_ranks
 
@@ -38,6 +38,7 @@ def _ranks_loss(scale: float, dtype: torch.dtype):
     full[0, targets[0]] = scale  # one target that is also the row's largest logit
     local = full[:, shard.start: shard.start + shard.real].clone().requires_grad_(True)
     before = local.detach().clone()
+    assert torch.equal(gather_logits(before, shard, comm), full)  # [tokens, vocab]; 3-D in test_tensor_parallel
     loss = vocab_parallel_cross_entropy(local, targets, shard, comm)
     loss.sum().backward()
     assert torch.equal(local.detach(), before)  # by default the logits are left as they were
