@@ -76,6 +76,11 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     assert refused(["parallel.sp=true"]).startswith("parallel.sp=true: sequence parallelism shards along tp")
     with pytest.raises(ConfigError, match="overrides have the form section.key=value"):
         load_config(None, ["train.steps"])
+    for override, message in (("train.steps=abc", "train.steps: expected an integer, got 'abc'"),
+                              ("model.init_from=3", "model.init_from: expected a string, got 3")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert str(err.value) == message
 
 
 def test_a_pretrained_tokenizer_must_fit_the_embedding_exactly_or_with_room(tmp_path):
