@@ -73,6 +73,11 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     assert inferred.parallel.dp == 2  # world 8 / (tp 2 * cp 2)
     assert refused(["debug.fault_rank=2"], world_size=2) == "debug.fault_rank: must be in 0..1, got 2"
     assert "does not equal the world size 2" in refused(["parallel.dp=1"], world_size=2)  # too few, not only too many
+    assert refused(["train.micro_batch_size=4", "train.global_batch_size=4"], world_size=2).startswith(
+        "train.global_batch_size: 4 is not divisible by micro_batch_size*dp = 4*2")
+    assert resolve(load_config(None, [])).parallel.dp == 1  # resolve() alone: one process
+    assert resolve(load_config(None, ["parallel.tp=2", "parallel.sp=true"]), world_size=2).parallel.sp
+    assert resolve(load_config(None, ["model.n_kv_heads=6"])).model.n_kv_heads == 6  # as many as n_heads: MHA
     assert refused(["parallel.sp=true"]).startswith("parallel.sp=true: sequence parallelism shards along tp")
     with pytest.raises(ConfigError, match="overrides have the form section.key=value"):
         load_config(None, ["train.steps"])

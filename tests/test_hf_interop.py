@@ -238,8 +238,9 @@ def test_config_comes_from_the_source_and_contradictions_name_the_key(corpus, tm
     assert (m.dim, m.ffn_dim, m.n_kv_heads, m.max_seq_len, m.rope_theta, m.norm_eps, m.tie_embeddings) == \
            (64, 96, 2, 128, 5000.0, 1e-6, True)
     assert cfg.data.tokenizer is None  # save_pretrained wrote no tokenizer: the data trains its BPE
-    with pytest.raises(ConfigError, match=r"^model\.dim: 128 contradicts"):
-        small_cfg(corpus, tmp_path, 1, f"model.init_from={source}", "model.dim=128")
+    for dim in (128, 32):  # larger or smaller than the source's 64
+        with pytest.raises(ConfigError, match=rf"^model\.dim: {dim} contradicts"):
+            small_cfg(corpus, tmp_path, 1, f"model.init_from={source}", f"model.dim={dim}")
 
 
 def test_training_from_an_export_equals_training_from_its_checkpoint(corpus, saved, tmp_path):
