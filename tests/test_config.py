@@ -72,6 +72,12 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     inferred = resolve(load_config(None, ["parallel.tp=2", "parallel.cp=2", "train.micro_batch_size=8"]), world_size=8)
     assert inferred.parallel.dp == 2  # world 8 / (tp 2 * cp 2)
     assert refused(["debug.fault_rank=2"], world_size=2) == "debug.fault_rank: must be in 0..1, got 2"
+    assert refused(["debug.fault_rank=3"], world_size=2) == "debug.fault_rank: must be in 0..1, got 3"
+    assert refused(["model.vocab_size=259"]).startswith("model.vocab_size: 259 is too small for a byte-level BPE")
+    assert resolve(load_config(None, ["model.vocab_size=260"])).model.vocab_size == 260
+    for key in ("train", "train.steps.max"):
+        with pytest.raises(ConfigError, match="keys have the form section.name"):
+            load_config(None, [f"{key}=3"])
     assert "does not equal the world size 2" in refused(["parallel.dp=1"], world_size=2)  # too few, not only too many
     assert refused(["train.micro_batch_size=4", "train.global_batch_size=4"], world_size=2).startswith(
         "train.global_batch_size: 4 is not divisible by micro_batch_size*dp = 4*2")
