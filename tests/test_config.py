@@ -75,6 +75,8 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     assert refused(["debug.fault_rank=3"], world_size=2) == "debug.fault_rank: must be in 0..1, got 3"
     assert refused(["model.vocab_size=259"]).startswith("model.vocab_size: 259 is too small for a byte-level BPE")
     assert resolve(load_config(None, ["model.vocab_size=260"])).model.vocab_size == 260
+    assert resolve(load_config(None, ["train.seq_len=1024"])).train.seq_len == 1024  # = the tiny preset's max
+    assert resolve(load_config(None, ["parallel.pp_microbatches=3"])).parallel.pp == 1  # no pipeline: unused
     for key in ("train", "train.steps.max"):
         with pytest.raises(ConfigError, match="keys have the form section.name"):
             load_config(None, [f"{key}=3"])
