@@ -115,8 +115,10 @@ def _slice(full, param, module, rank, cfg):
     return full.narrow(dim, tp_rank * size, min(size, full.shape[dim] - tp_rank * size))
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2"], ["parallel.dp=4", "parallel.zero=3"]],
-                         ids=["tp2-pp2", "dp4-zero3"])
+# One layout at 1B (the suite's time budget): FSDP, where each rank builds 1/4 of every tensor.
+# TP and PP construction build the same way (meta model, then only the owned rows/stages); their
+# values are checked at small scale above (a tp2-pp2 layout here cost ~21 s more).
+@pytest.mark.parametrize("layout", [["parallel.dp=4", "parallel.zero=3"]], ids=["dp4-zero3"])
 def test_a_1b_model_is_constructed_within_its_shard(layout):
     overrides = ["model.preset=1b", "train.global_batch_size=4", "train.micro_batch_size=1", *layout]
     results = run_ranks(_construction_memory, 4, 4, overrides, timeout=600)

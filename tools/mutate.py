@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -128,14 +129,18 @@ def _sample(session: Path, size: int) -> dict | None:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
+    def where(item):  # job ids are random: order by what the mutant is, so the sample repeats
+        m = item.mutations[0]
+        return tuple(m.start_pos), m.operator_name, m.occurrence
+
     with use_db(str(session), WorkDB.Mode.open) as db:
-        pending = sorted(item.job_id for item in db.pending_work_items)
+        pending = sorted(db.pending_work_items, key=where)
         if len(pending) <= size:
             return None
-        keep = set(random.Random(0).sample(pending, size))
-        for job_id in pending:
-            if job_id not in keep:
-                db.set_result(job_id, WorkResult(output="not in the sample", worker_outcome=WorkerOutcome.SKIPPED))
+        keep = {item.job_id for item in random.Random(0).sample(pending, size)}
+        for item in pending:
+            if item.job_id not in keep:
+                db.set_result(item.job_id, WorkResult(output="not in the sample", worker_outcome=WorkerOutcome.SKIPPED))
     return {"sampled": size, "of": len(pending)}
 
 
@@ -143,7 +148,7 @@ def run_module(name: str, sample: int) -> dict:
     module, test_args = MODULES[name]
     workdir = OUT / name
     _copy_tree(workdir)
-    env = {**__import__("os").environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     baseline = subprocess.run(shlex.split(_test_command(test_args)), cwd=workdir, env=env, capture_output=True)
     baseline_s = time.perf_counter() - t0
@@ -195,7 +200,7 @@ def recheck_survivors(name: str) -> dict:
                                 for line in config.read_text().splitlines()) + "\n")
     with sqlite3.connect(session) as db:
         db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
-    env = {**__import__("os").environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
     previous = json.loads((workdir / "summary.json").read_text())
     t0 = time.perf_counter()
     _cosmic_ray("cosmic-ray", "exec", str(config), str(session), cwd=workdir, env=env)
