@@ -190,7 +190,8 @@ def recheck_survivors(name: str) -> dict:
     workdir = OUT / name
     session = workdir / "session.sqlite"
     if (ROOT / module).read_text() != (workdir / module).read_text():
-        raise SystemExit(f"mutate: {module} changed since the last run of {name}: run it again in full")
+        raise SystemExit(f"mutate: {module} differs from the copy of the last run of {name}: it changed (run it "
+                         f"again in full), or that run was stopped with a mutant in place (copy the module back)")
     for part in ("tests", "docs"):
         shutil.rmtree(workdir / part)
         shutil.copytree(ROOT / part, workdir / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
