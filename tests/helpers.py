@@ -132,11 +132,9 @@ def plain_pytorch_reference(cfg: Config, loader_cls: type[TokenLoader] = Unevenl
     import torch.nn.functional as F
 
     from meshlm.model import Llama, init_weights
-    from meshlm.train.data import prepare_data
 
     t = cfg.train
-    tokens = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None).train_tokens()
-    loader = loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
+    loader = _loader(cfg, loader_cls)
     model = Llama(cfg.model)
     init_weights(model, cfg.run.seed)
     matrices = [p for p in model.parameters() if p.ndim >= 2]
@@ -171,10 +169,14 @@ def plain_pytorch_reference(cfg: Config, loader_cls: type[TokenLoader] = Unevenl
 def target_counts(cfg: Config, loader_cls: type[TokenLoader], dp_size: int, step: int = 0) -> list[list[int]]:
     """Target tokens per micro-batch of each dp rank at `step`: the evidence that a test with
     `loader_cls` really has uneven counts."""
+    loader, micro = _loader(cfg, loader_cls), cfg.train.micro_batch_size
+    return [[int((tgt != IGNORE_INDEX).sum()) for _, tgt in loader.microbatches(step, r, dp_size, micro)]
+            for r in range(dp_size)]
+
+
+def _loader(cfg: Config, loader_cls: type[TokenLoader]) -> TokenLoader:
     from meshlm.train.data import prepare_data
 
     t = cfg.train
     tokens = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None).train_tokens()
-    loader = loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
-    return [[int((tgt != IGNORE_INDEX).sum()) for _, tgt in loader.microbatches(step, r, dp_size, t.micro_batch_size)]
-            for r in range(dp_size)]
+    return loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)

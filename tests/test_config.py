@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from meshlm import cli
-from meshlm.config import RANGES, Config, ConfigError, load_config, resolve, to_toml
+from meshlm.config import RANGES, Config, ConfigError, _toml_value, load_config, resolve, to_toml
 
 
 def test_overrides_parse_types_and_presets_fill_the_rest():
@@ -245,11 +245,7 @@ def test_the_configuration_reference_states_every_range_and_default():
         assert accepts == allowed.describe() + (f" ({allowed.note})" if allowed.note else ""), key
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        assert default == ("unset" if value is None else _doc_value(value)), key
-
-
-def _doc_value(value) -> str:
-    return "true" if value is True else "false" if value is False else f'"{value}"' if isinstance(value, str) else repr(value)
+        assert default == ("unset" if value is None else _toml_value(value)), key
 
 
 def test_train_exits_2_with_one_line_for_every_refused_value(tmp_path, monkeypatch, capsys):

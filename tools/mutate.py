@@ -88,6 +88,11 @@ def _test_command(test_args: list[str]) -> str:
                                              *test_args])
 
 
+def _env(workdir: Path) -> dict:
+    """The copy's src/ first on the path (ahead of the editable install), one thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+
+
 def _cosmic_ray(*args: str, cwd: Path, env: dict) -> None:
     bin_dir = Path(sys.executable).parent
     subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=cwd, env=env, check=True)
@@ -148,7 +153,7 @@ def run_module(name: str, sample: int) -> dict:
     module, test_args = MODULES[name]
     workdir = OUT / name
     _copy_tree(workdir)
-    env = {**os.environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    env = _env(workdir)
     t0 = time.perf_counter()
     baseline = subprocess.run(shlex.split(_test_command(test_args)), cwd=workdir, env=env, capture_output=True)
     baseline_s = time.perf_counter() - t0
@@ -201,7 +206,7 @@ def recheck_survivors(name: str) -> dict:
                                 for line in config.read_text().splitlines()) + "\n")
     with sqlite3.connect(session) as db:
         db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
-    env = {**os.environ, "PYTHONPATH": str(workdir / "src"), "OMP_NUM_THREADS": "1"}
+    env = _env(workdir)
     previous = json.loads((workdir / "summary.json").read_text())
     t0 = time.perf_counter()
     _cosmic_ray("cosmic-ray", "exec", str(config), str(session), cwd=workdir, env=env)

@@ -274,9 +274,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Each key's own range (RANGES), then the checks that relate keys to each other and to the
-    world size."""
-    check_ranges(cfg)
+    """The checks that relate keys to each other and to the world size; resolve() has already
+    checked each key's own range (RANGES)."""
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")

@@ -1,6 +1,6 @@
 """The range of every configuration key, declared once and checked generically.
 
-`RANGES` maps each `section.key` to the values it accepts beyond its type. config.validate()
+`RANGES` maps each `section.key` to the values it accepts beyond its type. config.resolve()
 checks them all before any rank starts; tests/test_config.py sweeps the table key by key and
 checks docs/configuration.md against it.
 """
