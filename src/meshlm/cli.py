@@ -49,6 +49,12 @@ def cmd_train(args) -> int:
         return _fail_usage(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     world_size = args.nproc * args.nnodes
     cfg = resolve(load_config(args.config, args.overrides), world_size=world_size)
+    from meshlm.debug.doctor import local_gpu_shortfall
+
+    # Before any rank starts: NCCL needs one GPU per local rank (else "invalid device ordinal" from each).
+    shortfall = local_gpu_shortfall(args.nproc, cfg.parallel.backend)
+    if shortfall:
+        return _fail_usage(": ".join(shortfall))
     from meshlm.train.checkpoint.resume import precheck
     from meshlm.train.data import prepare_data
 
@@ -68,14 +74,23 @@ def cmd_train(args) -> int:
     if world_size == 1 and args.max_restarts == 0:
         from meshlm.train.worker import train_rank
 
-        train_rank(cfg)  # a RunError (e.g. no usable checkpoint) is one line and exit 1, in main
+        from meshlm.debug.guard import RankFailed, RankGuard
+
+        try:  # a RunError (e.g. no usable checkpoint) is one line and exit 1, in main
+            with RankGuard(cfg, 0, 1) as guard:
+                train_rank(cfg, guard)
+        except RankFailed:  # the guard printed its report (OOM, non-finite step, an exception)
+            return 1
     else:
         from meshlm.launch import launch
 
+        from meshlm.debug.dumps import clear_dumps
+
         (run_dir / "preempted.json").unlink(missing_ok=True)  # only this run's ranks may leave one
+        clear_dumps(run_dir)  # the debug dumps of this run only (meshlm debug analyze)
         code = launch(args.nproc, "meshlm.train.worker", ["--config", str(run_dir / "config.toml")],
                       nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, explain=lambda: _failure_line(run_dir))
         if code and not (run_dir / "preempted.json").exists():
             return code
         interrupted = code == 130
@@ -90,6 +105,16 @@ def cmd_train(args) -> int:
     if cfg.run.sample_tokens and args.node_rank == 0:
         _print_sample(run_dir, cfg.run.sample_prompt, cfg.run.sample_tokens)
     return 0
+
+
+def _failure_line(run_dir: Path) -> str | None:
+    """The one-line verdict of a failed run, from the ranks' dumps (None: no rank left one)."""
+    from meshlm.debug.analyze import analyze
+
+    result = analyze(run_dir)
+    if result["verdict"] in ("none", "ok"):
+        return None
+    return f"{result['line']} (details: meshlm debug analyze {run_dir})"
 
 
 def _read_preempted(run_dir: Path) -> dict | None:
@@ -276,6 +301,57 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
+# --------------------------------------------------------------------------- doctor
+
+
+def _doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check this machine before a run: versions, GPUs, limits, a local collective",
+                       description="One line per check, ok or what to do; exit 1 if one fails. "
+                                   "See docs/debugging.md.")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks per node you mean to train with (default: the GPUs on CUDA, else 2)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="as parallel.backend: auto = nccl with CUDA and NCCL, else gloo")
+    p.add_argument("--port", type=int, default=None,
+                   help="the rendezvous port to check (default: $MASTER_PORT or 29500)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_doctor(args) -> int:
+    from meshlm.debug.doctor import run
+
+    return run(args)
+
+
+# --------------------------------------------------------------------------- debug
+
+
+def _debug_parser(sub) -> None:
+    p = sub.add_parser("debug", help="explain a failed run: hang, desync, OOM, non-finite step",
+                       description="See docs/debugging.md.")
+    actions = p.add_subparsers(dest="action", required=True)
+    a = actions.add_parser("analyze", help="one line on what went wrong, from the ranks' dumps in RUN_DIR/debug")
+    a.add_argument("run_dir", metavar="RUN_DIR")
+    a.add_argument("--json", action="store_true", help="print one JSON object (verdict, ranks, group, seq, op, ...)")
+
+
+def cmd_debug(args) -> int:
+    import json
+
+    from meshlm.debug.analyze import analyze
+
+    if not Path(args.run_dir).is_dir():
+        return _fail_usage(f"RUN_DIR: {args.run_dir} is not a directory")
+    result = analyze(args.run_dir)
+    if result["verdict"] == "none":
+        return _fail_usage(f"RUN_DIR: {result['line']}")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print("\n".join([result["line"], *(f"  {line}" for line in result["details"])]))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -290,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     _simulate_parser(sub)
     _plan_parser(sub)
     _memory_parser(sub)
+    _doctor_parser(sub)
+    _debug_parser(sub)
     args = parser.parse_args(argv)
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
-                "simulate": cmd_simulate, "plan": cmd_plan, "memory": cmd_memory}
+                "simulate": cmd_simulate, "plan": cmd_plan, "memory": cmd_memory,
+                "doctor": cmd_doctor, "debug": cmd_debug}
     try:
         return commands[args.command](args)
     except ConfigError as e:

@@ -9,6 +9,7 @@ a `ConfigError` whose message names the offending key; the CLI prints it and exi
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -71,6 +72,9 @@ class TrainConfig:
     track_memory: bool = True
     # CPU runs: glibc malloc keeps freed memory for the next step (train/host_memory.py).
     keep_host_memory: bool = True
+    # A non-finite loss or gradient norm: never applied; stop = exit 1 with a report, skip = drop
+    # that step's update, count it and go on (debug/nonfinite.py).
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -91,6 +95,9 @@ class ParallelConfig:
     # parallel/pipeline/deferred_wgrad.py). Applies with zero 0 and 1; ZeRO-2/3 reduce within each
     # backward pass and so keep the plain backward.
     pp_defer_wgrad: bool = True
+    # The collectives library: auto = nccl where CUDA and NCCL are usable, else gloo. gloo on a GPU
+    # machine trains on the CPU; nccl needs one visible GPU per rank (refused before ranks start).
+    backend: str = "auto"
 
 
 @dataclass
@@ -120,11 +127,20 @@ class CheckpointConfig:
 
 @dataclass
 class DebugConfig:
-    # An injected failure, for testing recovery: "kill" = rank `fault_rank` SIGKILLs itself once
-    # step `fault_step` is done, on the first attempt only (a torchrun restart runs clean).
+    # The watchdog (debug/watchdog.py): a rank with no collective started or finished and no phase
+    # change for this long dumps its state to run.dir/debug/ and the job exits 1; the first step
+    # (building, loading, warm-up) gets the longer startup limit.
+    timeout_s: float = 300.0
+    startup_timeout_s: float = 900.0
+    # An injected failure (debug/faults.py) on rank `fault_rank` at step `fault_step`: kill, hang,
+    # desync, raise, nan, slow (sleep `fault_slow_s` every step from then on) or oom.
     fault: str = "none"
     fault_rank: int = 0
     fault_step: int = 1
+    fault_slow_s: float = 0.5
+    # A rank whose own work per step exceeds the other ranks' median by this fraction for 3 steps
+    # in a row is named in a warning (debug/stragglers.py).
+    straggler_threshold: float = 0.2
 
 
 @dataclass
@@ -170,6 +186,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return float(value)
         if typ is str and isinstance(value, str):
             return value
+        if typ is str and isinstance(value, float) and not math.isfinite(value):
+            return str(value)  # `debug.fault=nan`: TOML reads the bare word as a float
     names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(t, "none")
                         for t in allowed if t is not type(None))
     raise ConfigError(f"{key}: expected {names}, got {value!r}")

@@ -93,6 +93,7 @@ RANGES: dict[str, Range] = {
     "train.peak_tflops": _above(0),
     "train.track_memory": ANY,
     "train.keep_host_memory": ANY,
+    "train.on_nonfinite": Range(choices=("stop", "skip")),
     "parallel.dp": _at_least(0, "0 = world size / (tp*cp*pp)"),
     **{f"parallel.{k}": POSITIVE_INT for k in ("tp", "pp", "cp", "pp_virtual")},
     "parallel.zero": Range(low=0, high=3),
@@ -101,6 +102,7 @@ RANGES: dict[str, Range] = {
     "parallel.pp_microbatches": _at_least(0, "0 = global batch / (dp * micro-batch)"),
     "parallel.pp_layers": ANY,  # a list of layer counts: parsed and checked with the layout (mesh.py)
     "parallel.pp_defer_wgrad": ANY,
+    "parallel.backend": Range(choices=("auto", "gloo", "nccl")),  # and usable here: cli.cmd_train
     "data.path": ANY,  # checked to exist in validate()
     "data.val_fraction": Range(low=0, high=0.5, low_open=True, high_open=True),
     "data.cache_dir": ANY,
@@ -110,9 +112,13 @@ RANGES: dict[str, Range] = {
     "checkpoint.resume": Range(nonempty=True, note="auto, never or a checkpoint directory"),
     "checkpoint.async_save": ANY,
     "checkpoint.stop_timeout_s": _above(0),
-    "debug.fault": Range(choices=("none", "kill")),
+    "debug.timeout_s": _above(0),
+    "debug.startup_timeout_s": _above(0),
+    "debug.fault": Range(choices=("none", "kill", "hang", "desync", "raise", "nan", "slow", "oom")),
     "debug.fault_rank": _at_least(0),  # and below the world size: validate()
     "debug.fault_step": POSITIVE_INT,
+    "debug.fault_slow_s": _above(0),
+    "debug.straggler_threshold": _above(0),
     "run.dir": Range(nonempty=True),
     "run.seed": _at_least(0),  # numpy's SeedSequence (the data order) rejects negative seeds
     "run.sample_tokens": _at_least(0, "0 = no sample"),

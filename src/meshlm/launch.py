@@ -7,6 +7,7 @@ WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, and tears every rank down if one fa
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -27,7 +28,7 @@ def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int =
             "--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", "--module", module, *module_args]
 
 
-def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
+def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwargs) -> int:
     """Run `python -m module module_args` on `nproc` ranks per node; returns an exit code.
 
     SIGTERM to this process: torchrun's agent forwards it to the ranks (they save at the next step
@@ -35,7 +36,8 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
     not the agent's: the first one interrupts the agent's loop, whose clean-up sends the ranks
     SIGTERM and waits the same way; a second one ends this process at once, and the ranks die with
     it (`die_with_parent`). (Were SIGINT the agent's, its handler would swallow the second one and
-    wait the full 30 s.)"""
+    wait the full 30 s.) `explain()`, after a failure, may return the one line that says why
+    (meshlm's failure analysis); otherwise the line lists the failed ranks' exit codes."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -56,12 +58,16 @@ def launch(nproc: int, module: str, module_args: list[str], **kwargs) -> int:
             os._exit(130)
         raise KeyboardInterrupt
 
+    # The agent logs each failed rank at ERROR; meshlm prints one line that says why instead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         run(args)
     except ChildFailedError as e:
         failures = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"meshlm: training failed on {failures}; see the rank logs in the run directory", file=sys.stderr)
+        why = explain() if explain is not None else None
+        print(f"meshlm: {why}" if why else f"meshlm: training failed on {failures}; see the rank logs in the run "
+              f"directory", file=sys.stderr)
         return 1
     except SignalException as e:
         print(f"meshlm: {e.sigval.name}: ranks stopped", file=sys.stderr)

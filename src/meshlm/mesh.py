@@ -223,8 +223,18 @@ def check_layout(cfg: "Config", world_size: int) -> None:
 # --------------------------------------------------------------------------- process groups
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def nccl_usable() -> bool:
+    """A visible CUDA GPU and a torch built with NCCL: what parallel.backend=nccl needs."""
+    return torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def default_backend(preference: str = "auto", *, nccl_ok: bool | None = None) -> str:
+    """parallel.backend resolved: auto = nccl where NCCL is usable, else gloo; gloo or nccl as
+    asked (gloo on a GPU machine trains on the CPU: default_device). An nccl that cannot run is
+    refused before any rank starts (cli.cmd_train). `nccl_ok` replaces the probe (pure checks)."""
+    if preference != "auto":
+        return preference
+    return "nccl" if (nccl_usable() if nccl_ok is None else nccl_ok) else "gloo"
 
 
 def default_device(backend: str, rank: int = 0) -> torch.device:
@@ -246,7 +256,8 @@ class ParallelContext:
     their group on those two ranks and None elsewhere (middle stages, or pp=1).
     """
 
-    def __init__(self, layout: Layout, *, extra_groups: Iterable[AxesLike] = (), device: torch.device | None = None):
+    def __init__(self, layout: Layout, *, extra_groups: Iterable[AxesLike] = (), device: torch.device | None = None,
+                 backend: str = "auto"):
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else 1
         if layout.world_size != world_size:
@@ -254,7 +265,8 @@ class ParallelContext:
         self.layout = layout
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = world_size
-        self.backend = dist.get_backend() if initialized else default_backend()
+        # One process (no group): `backend` (parallel.backend) still picks the device, so gloo runs on the CPU.
+        self.backend = dist.get_backend() if initialized else default_backend(backend)
         self.device = device if device is not None else default_device(self.backend, self.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -270,6 +282,7 @@ class ParallelContext:
     @classmethod
     def from_config(cls, p: "ParallelConfig", **kwargs) -> "ParallelContext":
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        kwargs.setdefault("backend", p.backend)
         return cls(Layout.from_config(p, world_size), **kwargs)
 
     # ---- building (collective: same calls, same order, on every rank)

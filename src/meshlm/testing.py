@@ -66,15 +66,18 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
+    start_method: str = "fork",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks with torch.distributed initialised.
 
     Inside ``fn``, ``torch.distributed.get_rank()`` gives the rank. Returns the per-rank return
     values in rank order (they must be picklable). Raises RankFailure if any rank raised and
-    RankTimeout if any rank is still running after ``timeout`` seconds.
+    RankTimeout if any rank is still running after ``timeout`` seconds. ``start_method="spawn"``
+    for ranks that use CUDA: a forked child cannot, once the parent has touched CUDA; ``fn``
+    must then be importable by name (a module-level function).
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     tmpdir = tempfile.mkdtemp(prefix="meshlm-ranks-")
     store_path = os.path.join(tmpdir, "store")
     procs, conns = [], []

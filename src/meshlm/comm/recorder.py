@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections import deque
 from typing import Any
 
@@ -57,6 +58,13 @@ class FlightRecorder:
         self._seq: dict[str, int] = {}  # per group (axis) or per P2P channel: ops issued so far
         self._totals: dict[tuple[str, str], list] = {}  # (op, axis) -> [n, count, bytes, sent, recv, time]
         self._unresolved: list[CommRecord] = []  # GPU records whose events are read lazily
+        # Host seconds this rank spent blocked in communication (sync ops, and waits on async ones):
+        # a step's time minus this is the rank's own work, which names a straggler (debug/stragglers.py).
+        self.blocked_s = 0.0
+        self.last_event = time.perf_counter()  # newest start or finish: the watchdog's sign of life
+        # A running CRC of every op's (op, size, dtype), equal on ranks that do the same work: the
+        # trainer compares them each step to catch a desync the backend let through (debug/fingerprint.py).
+        self.fingerprint = 0
         # One anchor pair, so perf_counter stamps convert to wall-clock time comparable across ranks.
         self._anchor = (time.time(), time.perf_counter())
 
@@ -71,12 +79,16 @@ class FlightRecorder:
         self._seq[key] = seq + 1
         record = CommRecord(seq, op, axis, group_size, peer, dtype, numel, nbytes, bytes_sent, bytes_recv, async_op)
         self.records.append(record)
+        self.last_event = record.t_start
+        self.fingerprint = zlib.crc32(f"{op} {numel} {dtype}".encode(), self.fingerprint)
         return record
 
     def finish(self, record: CommRecord) -> None:
         if record.t_end is not None:  # waiting twice on a handle is allowed; count it once
             return
-        record.t_end = time.perf_counter()
+        record.t_end = self.last_event = time.perf_counter()
+        if not record.async_op:
+            self.blocked_s += record.t_end - record.t_start
         if record.cuda_events is not None:
             self._unresolved.append(record)  # reading a CUDA event now would synchronise the GPU
         else:

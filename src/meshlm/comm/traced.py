@@ -17,6 +17,7 @@ names groups by parallel axis: `comm.all_reduce(t, "dp")`, `comm.all_gather(out,
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Sequence
 
 import torch
@@ -49,9 +50,12 @@ class Handle:
         self._recorder = recorder
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._works:
+            t0 = time.perf_counter()
+            for work in self._works:
+                work.wait()
+            self._works = []
+            self._recorder.blocked_s += time.perf_counter() - t0
         for record in self._records:
             if record.t_end is None and record.cuda_events is not None:
                 record.cuda_events[1].record()
@@ -86,6 +90,7 @@ class Comm:
         self.rank = ctx.rank
         self.recorder = recorder if recorder is not None else FlightRecorder(ctx.rank, capacity)
         self._axes: dict = {}  # axis as the caller spells it -> (label, group, ranks, my index)
+        self.desync_next = False  # debug.fault=desync: the next all-reduce reads its bytes as another dtype
 
     # ---- plumbing
 
@@ -124,6 +129,9 @@ class Comm:
         n = len(ranks)
         if n == 1:
             return _DONE if async_op else None
+        if self.desync_next:  # same shape and bytes, another dtype: no backend notices (debug/faults.py)
+            self.desync_next = False
+            tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -241,6 +249,10 @@ class Comm:
         return Handle(dist.batch_isend_irecv(p2p), records, self.recorder)
 
     # ---- reading
+
+    def groups(self) -> dict[str, list[int]]:
+        """Each group this rank has used, by label: its global ranks (for the hang/desync report)."""
+        return {label: list(ranks) for label, _, ranks, _ in self._axes.values()}
 
     def summary(self) -> list[dict]:
         return self.recorder.summary()

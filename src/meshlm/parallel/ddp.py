@@ -24,6 +24,7 @@ buffer, each bucket upcast and all-reduced in fp32, an fp32 master copy for Adam
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator
 
 import torch
@@ -165,9 +166,11 @@ class DDP:
         from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=self.dp_sharded)
-        self.optim.step(lr, clip_scale(norm, max_norm))
-        self._after_step()
-        return norm.item()
+        value = norm.item()
+        if math.isfinite(value):  # a non-finite gradient never reaches the weights (debug/nonfinite.py)
+            self.optim.step(lr, clip_scale(norm, max_norm))
+            self._after_step()
+        return value
 
     def refresh_from_masters(self) -> None:
         """The masters were written from outside (a checkpoint load): rebuild what derives from

@@ -32,6 +32,7 @@ embedding during the loss and the head's backward, where the logits peak.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -353,8 +354,10 @@ class FullyShardedDataParallel:
         from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=True)
-        self.optim.step(lr, clip_scale(norm, max_norm))
-        return norm.item()  # the next forward gathers the updated shards
+        value = norm.item()
+        if math.isfinite(value):  # a non-finite gradient never reaches the weights (debug/nonfinite.py)
+            self.optim.step(lr, clip_scale(norm, max_norm))
+        return value  # the next forward gathers the updated shards
 
     def refresh_from_masters(self) -> None:
         pass  # the fp32 shards are the masters; the next forward gathers them

@@ -11,6 +11,7 @@ reported is the global mean token loss.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ import torch.distributed as dist
 from meshlm.comm import Comm
 from meshlm.analysis.flops import device_peak_tflops, flops_per_token, mfu
 from meshlm.config import Config
+from meshlm.debug.faults import FaultInjector
+from meshlm.debug.fingerprint import check as check_fingerprints
+from meshlm.debug.nonfinite import NonFiniteError, culprits, describe, locate
+from meshlm.debug.progress import Progress
+from meshlm.debug.stragglers import StragglerDetector
 from meshlm.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401 (IGNORE_INDEX: re-exported)
 from meshlm.parallel.apply import build_engine, build_local_model
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
@@ -40,6 +46,8 @@ class StepResult:
     step_time_s: float
     mem_peak_bytes: int | None
     stop: signal.Signals | None = None  # a stop signal some rank received (train/preemption.py)
+    ranks: dict | None = None  # slowest/fastest rank fields (debug/stragglers.py)
+    nonfinite: str | None = None  # the report of a skipped non-finite step (train.on_nonfinite=skip)
 
 
 class Trainer:
@@ -72,6 +80,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops = t.peak_tflops or device_peak_tflops(self.device, t.dtype)
         self.step = 0
+        self.progress = Progress()  # step and phase, for the watchdog and failure reports (debug/)
+        self.faults = FaultInjector(cfg.debug, ctx.rank, self.comm, self.log)
+        self.faults.install(self.model)
+        self.stragglers = StragglerDetector(cfg.debug.straggler_threshold, warn=self.metrics.print)
+        self.nonfinite_skipped = 0
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
         self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
@@ -82,6 +95,7 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded weights under the single-process model's names. Collective: every
         rank must call it (sharded layouts gather); the result is meaningful on global rank 0."""
+        self.progress.at("gather")
         state = self.dp.full_state_dict()
         if self.tp:
             state = self.tp.full_state_dict(state)  # tp shards -> full tensors, vocabulary unpadded
@@ -124,6 +138,7 @@ class Trainer:
                               dtype=torch.float64, device=self.device)
         global_tokens = self._all_reduce(counts).item()
         if self.pipeline is not None:  # the schedule runs every micro-batch, reduces grads after the last
+            self.progress.at("forward+backward")
             return self.pipeline.forward_backward(micro, global_tokens, self.loss_sum, self.dp,
                                                   self._autocast), global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -131,49 +146,75 @@ class Trainer:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             # Gradients are reduced across dp ranks only with the last micro-batch's backward.
             with self.dp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                self.progress.at("forward")
                 with self._autocast():
                     logits = self.dp.module(inputs)
                 micro_loss = self.loss_sum(logits, targets)
                 del logits  # the loss saved what its backward needs; one [b, s, vocab] buffer less at the peak
+                self.progress.at("backward")
                 (micro_loss / global_tokens).backward()
             loss_sum += micro_loss.detach().double()
         self.dp.finish_backward()
         return loss_sum, global_tokens
 
-    def optimizer_step(self) -> float:
-        """Clip (returning the pre-clip global gradient norm), AdamW at this step's LR, zero grads."""
+    def optimizer_step(self, loss_sum: torch.Tensor) -> tuple[float, str | None]:
+        """Clip (the pre-clip global gradient norm is returned), AdamW at this step's LR, zero grads.
+        A non-finite norm is never applied (the engines skip the update): with train.on_nonfinite
+        = stop that ends the run (NonFiniteError), with skip the step is counted and training goes
+        on; the report (second value) names the rank and parameter either way."""
+        self.progress.at("optimizer")
         grad_norm = self.dp.clip_and_step(lr_at(self.step, self.cfg.train), self.cfg.train.grad_clip)
+        report = None
+        if not math.isfinite(grad_norm):
+            views = locate(self.dp, self.model, loss_sum, self.ctx.rank, self.ctx.world_size)
+            report = describe(self.step + 1, grad_norm, views)
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(report + "; the update was not applied and nothing was saved "
+                                              "(train.on_nonfinite=skip drops such steps instead)", culprits(views))
+            self.nonfinite_skipped += 1
         self.dp.zero_grad()
-        return grad_norm
+        return grad_norm, report
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
+        blocked0 = self.comm.recorder.blocked_s
+        self.progress.at("batch")  # counting the step's target tokens: its first collective
+        self.faults.before_step(self.step + 1)
         with self.memory.step(self.dp.state_tensors()):
             loss_sum, global_tokens = self.forward_backward()
-            grad_norm = self.optimizer_step()
+            grad_norm, nonfinite = self.optimizer_step(loss_sum)
         loss = self._all_reduce(loss_sum).item() / global_tokens
-        peak, stop = self._max_over_ranks(self.memory.last_peak,
-                                          self.stop_signals.number if self.stop_signals is not None else 0)
+        busy_s = time.perf_counter() - t0 - (self.comm.recorder.blocked_s - blocked0)
+        peak, stop, ranks = self._gather_over_ranks(
+            self.memory.last_peak, self.stop_signals.number if self.stop_signals is not None else 0, busy_s)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step += 1
         return StepResult(loss, grad_norm, int(global_tokens), time.perf_counter() - t0, peak,
-                          signal.Signals(stop) if stop else None)
+                          signal.Signals(stop) if stop else None, ranks, nonfinite)
 
-    def _max_over_ranks(self, peak: int | None, stop: int) -> tuple[int | None, int]:
-        """The largest per-rank peak memory and stop-signal number, in one all-reduce over the world
-        (every rank must agree to stop after the same step, or the others would wait forever)."""
-        if self.ctx.world_size == 1 or (peak is None and self.stop_signals is None):
-            return peak, stop
-        t = torch.tensor([-1.0 if peak is None else float(peak), float(stop)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(t, "world", op=dist.ReduceOp.MAX)
-        return (None if peak is None else int(t[0].item())), int(t[1].item())
+    def _gather_over_ranks(self, peak: int | None, stop: int, busy_s: float) -> tuple[int | None, int, dict | None]:
+        """Every rank's peak memory, stop-signal number, working time and collective fingerprint,
+        in one small all-gather over the world: the largest peak, any stop (every rank must agree
+        to stop after the same step, or the others would wait forever), the slowest and fastest
+        rank, and a desync check (DesyncError on every rank alike)."""
+        if self.ctx.world_size == 1:
+            return peak, stop, None
+        mine = torch.tensor([-1.0 if peak is None else float(peak), float(stop), busy_s,
+                             float(self.comm.recorder.fingerprint)], dtype=torch.float64, device=self.device)
+        every = torch.empty(self.ctx.world_size * 4, dtype=torch.float64, device=self.device)
+        self.comm.all_gather(every, mine, "world")
+        every = every.view(-1, 4).tolist()
+        check_fingerprints([row[3] for row in every], self.ctx.layout.groups(("tp", "cp", "dp")), self.step + 1)
+        ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
+        return (None if peak is None else int(max(row[0] for row in every))), int(max(row[1] for row in every)), ranks
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss on the fixed held-out batches; each dp rank takes every dp-th batch."""
         if self.pipeline is not None:
             return self.pipeline.evaluate(self.eval_set, self.loss_sum, self._autocast)
+        self.progress.at("eval")
         self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, (inputs, targets) in enumerate(self.eval_set):
@@ -206,8 +247,12 @@ class Trainer:
                 "tokens": tokens, "target_tokens": result.target_tokens, "tokens_per_s": tokens_per_s,
                 "step_time_s": result.step_time_s, "tflops": tflops,
                 "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, n_devices),
-                "mem_peak_bytes": result.mem_peak_bytes,
+                "mem_peak_bytes": result.mem_peak_bytes, **(result.ranks or {}),
             }
+            if result.nonfinite:  # train.on_nonfinite=skip: this step changed nothing
+                row["nonfinite_skipped"] = self.nonfinite_skipped
+                self.metrics.print(f"warning: {result.nonfinite}; update skipped "
+                                   f"({self.nonfinite_skipped} so far, train.on_nonfinite=skip)")
             if self.pipeline is not None:  # measured bubble beside the simulator's (collective over pp)
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
@@ -223,7 +268,8 @@ class Trainer:
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
-            self._inject_fault()
+            self.faults.after_step(self.step)
+            self.progress.step_done(self.step)
             if stop:
                 self.stopped_by = stop.name
                 self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); "
@@ -247,6 +293,7 @@ class Trainer:
         from meshlm.train.checkpoint import save_checkpoint
         from meshlm.train.metrics import format_bytes
 
+        self.progress.at("checkpoint")
         report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep, background=background)
         self.last_checkpoint = report
         if background:
@@ -261,16 +308,3 @@ class Trainer:
         from meshlm.train.checkpoint.state import wait_for_save
 
         wait_for_save(self)
-
-    def _inject_fault(self) -> None:
-        """debug.fault=kill: the chosen rank dies by SIGKILL after the chosen step (first attempt only)."""
-        d = self.cfg.debug
-        if d.fault != "kill" or self.ctx.rank != d.fault_rank or self.step != d.fault_step:
-            return
-        from meshlm.train.checkpoint.resume import is_restart
-
-        if not is_restart():
-            import os
-
-            self.log.info("debug.fault=kill: SIGKILL to rank %d after step %d", self.ctx.rank, self.step)
-            os.kill(os.getpid(), signal.SIGKILL)

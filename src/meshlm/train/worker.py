@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from meshlm.config import Config, ConfigError, RunError, load_config, resolve
+from meshlm.debug.guard import RankFailed, RankGuard
+from meshlm.debug.watchdog import backend_timeout
 from meshlm.mesh import ParallelContext, default_backend, default_device
 from meshlm.train.data import prepare_data
 from meshlm.train.host_memory import keep_freed_host_memory
@@ -76,9 +78,10 @@ def _layout_text(layout: dict) -> str:
     return " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero") if k in layout)
 
 
-def train_rank(cfg: Config) -> list[dict]:
+def train_rank(cfg: Config, guard=None) -> list[dict]:
     """Train on this rank (process group, if any, already initialised); rank 0 saves the result.
-    A SIGTERM/SIGINT stops after the current step with a checkpoint (train/preemption.py)."""
+    A SIGTERM/SIGINT stops after the current step with a checkpoint (train/preemption.py).
+    `guard` (a debug.guard.RankGuard) watches the trainer once it exists."""
     from meshlm.train.preemption import StopSignals
 
     ctx = ParallelContext.from_config(cfg.parallel)
@@ -91,6 +94,8 @@ def train_rank(cfg: Config) -> list[dict]:
         (run_dir / PREEMPTED).unlink(missing_ok=True)
     with StopSignals(cfg.checkpoint.stop_timeout_s) as signals:
         trainer = Trainer(cfg, ctx, data)
+        if guard is not None:
+            guard.attach(trainer)
         trainer.stop_signals = signals
         start_state(trainer)
         predicted = _log_predicted_memory(trainer)
@@ -110,19 +115,20 @@ def train_rank(cfg: Config) -> list[dict]:
     return rows
 
 
-def init_process_group(backend: str) -> None:
+def init_process_group(backend: str, timeout) -> None:
     """The default process group from torchrun's environment. After a restart (--max-restarts)
     torchrun hands the new workers the same store, which still holds the dead workers' gloo
-    addresses under the same keys: connecting to them hangs. Each attempt gets its own key prefix."""
+    addresses under the same keys: connecting to them hangs. Each attempt gets its own key prefix.
+    `timeout`: the backend's own, longer than meshlm's watchdog (debug/watchdog.py)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     from torch.distributed.rendezvous import rendezvous
 
     store, rank, world_size = next(rendezvous("env://"))
     dist.init_process_group(backend, store=dist.PrefixStore(f"meshlm/attempt{restart}", store), rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,19 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = resolve(load_config(args.config), world_size=world_size)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    backend = default_backend()
+    backend = default_backend(cfg.parallel.backend)
     device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
-    init_process_group(backend)
+    init_process_group(backend, backend_timeout(cfg.debug))
     try:
-        train_rank(cfg)
-        # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
-        # in gloo's destructor ("terminate called without an active exception", seen once in CI).
-        dist.barrier()
+        with RankGuard(cfg, dist.get_rank(), world_size) as guard:  # a failure: dump, report, exit 1
+            train_rank(cfg, guard)
+            # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
+            # in gloo's destructor ("terminate called without an active exception", seen once in CI).
+            dist.barrier()
     except (RunError, ConfigError) as e:  # e.g. a bad checkpoint: one line, not a traceback per rank
         if dist.get_rank() == 0:
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RankFailed:  # reported by the guard; the others learn it from their peer's exit
         return 1
     finally:
         dist.destroy_process_group()

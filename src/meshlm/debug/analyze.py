@@ -1,0 +1,237 @@
+"""`meshlm debug analyze RUN_DIR`: what went wrong, in one line, from the ranks' dumps.
+
+Reduces: reading N flight-recorder rings side by side to one verdict naming the culprit rank and
+collective. Costs: nothing during training (it reads what the watchdog and the failure reports
+wrote to run.dir/debug/, or the recorder files of a finished run in run.dir/logs/).
+
+Every collective carries a per-group sequence number (comm/recorder.py): on every rank of a
+group, the k-th collective on that group is #k. So, comparing the ranks of one group:
+- desync: at the same #k, ranks called different ops, shapes or dtypes;
+- hang: some rank waits in #k that another rank of the group never entered; the culprit is the
+  rank that never entered it (followed through other groups to the rank waiting in none);
+- a rank's own failure (oom, nonfinite, error) is the cause when no desync explains it; ranks
+  that only lost their peer ("connection closed") are its consequence.
+Point-to-point ops pair rank A's "send to B" #k with B's "receive from A" #k.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from meshlm.debug.dumps import read_dumps
+
+OWN_FAILURES = ("oom", "nonfinite", "desync", "error")
+
+
+def _channel(record: dict, me: int) -> tuple:
+    """The ordered stream a record belongs to, named the same way on every rank that shares it."""
+    if record["op"] == "send":
+        return ("p2p", me, record["peer"])
+    if record["op"] == "recv":
+        return ("p2p", record["peer"], me)
+    return ("group", record["axis"])
+
+
+def _streams(dumps: dict[int, dict]) -> dict[tuple, dict[int, dict[int, dict]]]:
+    """(group key) -> rank -> seq -> record. A group key is ('group', label, ranks) or
+    ('p2p', sender, receiver)."""
+    out: dict[tuple, dict[int, dict[int, dict]]] = {}
+    for rank, dump in dumps.items():
+        groups = dump.get("groups", {})
+        for rec in dump.get("records", []):
+            ch = _channel(rec, rank)
+            key = ch if ch[0] == "p2p" else ("group", ch[1], tuple(groups.get(ch[1], ())))
+            out.setdefault(key, {}).setdefault(rank, {})[rec["seq"]] = rec
+    return out
+
+
+def _members(key: tuple) -> tuple[int, ...]:
+    return key[2] if key[0] == "group" else (key[1], key[2])
+
+
+def _label(key: tuple) -> str:
+    return f"{key[1]} {list(key[2])}" if key[0] == "group" else f"p2p {key[1]}->{key[2]}"
+
+
+def _signature(rec: dict) -> str:
+    op = "send/recv" if rec["op"] in ("send", "recv") else rec["op"]
+    return f"{op} [{rec['numel']}] {rec['dtype']}"
+
+
+def find_desync(dumps: dict[int, dict]) -> dict | None:
+    found = []
+    for key, by_rank in _streams(dumps).items():
+        seqs = sorted(set().union(*(set(s) for s in by_rank.values())))
+        for seq in seqs:
+            calls = {r: s[seq] for r, s in by_rank.items() if seq in s}
+            if len(calls) < 2 or len({_signature(c) for c in calls.values()}) == 1:
+                continue
+            counts = Counter(_signature(c) for c in calls.values())
+            top, n = counts.most_common(1)[0]
+            tie = list(counts.values()).count(n) > 1
+            odd = sorted(calls) if tie else sorted(r for r, c in calls.items() if _signature(c) != top)
+            t0 = min(c["t_start"] for c in calls.values())
+            found.append((t0, key, seq, calls, odd))
+            break  # later numbers of this group only repeat the shift
+    if not found:
+        return None
+    _, key, seq, calls, odd = min(found, key=lambda f: f[0])
+    what = "; ".join(f"rank {r}: {_signature(c)}" for r, c in sorted(calls.items()))
+    names = ", ".join(map(str, odd))
+    return {"verdict": "desync", "ranks": odd, "group": key[1] if key[0] == "group" else "p2p",
+            "group_ranks": list(_members(key)), "seq": seq, "op": calls[odd[0]]["op"],
+            "line": f"desync: at collective #{seq} on {_label(key)}, rank{'s' if len(odd) > 1 else ''} {names} "
+                    f"called something else than {'each other' if len(odd) == len(calls) else 'the others'} ({what})"}
+
+
+def _entered(by_rank: dict[int, dict[int, dict]], rank: int) -> int:
+    return max(by_rank.get(rank, {}), default=-1)
+
+
+def _pending(dumps: dict[int, dict], rank: int) -> list[dict]:
+    return [r for r in dumps.get(rank, {}).get("records", []) if r.get("t_end") is None]
+
+
+def _stuck_groups(dumps: dict[int, dict]) -> list[tuple]:
+    """(start time, key, seq, op, waiting ranks, ranks that never entered) for each group where a
+    rank waits in #k that a member never entered (or left no dump to say)."""
+    out = []
+    for key, by_rank in _streams(dumps).items():
+        for rank, seqs in by_rank.items():
+            waiting = [rec for rec in seqs.values() if rec.get("t_end") is None]
+            if not waiting:
+                continue
+            first = min(waiting, key=lambda rec: rec["seq"])
+            k = first["seq"]
+            absent = [m for m in _members(key) if m != rank and (m not in dumps or _entered(by_rank, m) < k)]
+            if absent:
+                waiters = [r for r, s in by_rank.items() if k in s and s[k].get("t_end") is None]
+                out.append((first["t_start"], key, k, first["op"], waiters, absent))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _where(dump: dict | None) -> str:
+    """The innermost frame of the main thread's stack, e.g. 'time.sleep in faults.py:52'."""
+    if not dump:
+        return "left no dump"
+    for name, frames in dump.get("stacks", {}).items():
+        if name.startswith("MainThread") and frames:
+            head = frames[-1].strip().splitlines()[0]  # File "...", line N, in func
+            parts = head.replace('"', "").replace(",", "").split()
+            if len(parts) >= 6:
+                return f"in {parts[5]} ({Path(parts[1]).name}:{parts[3]})"
+    return f"in the {dump.get('phase')} phase"
+
+
+def find_hang(dumps: dict[int, dict]) -> dict | None:
+    stuck = _stuck_groups(dumps)
+    if not stuck:
+        return None
+    _, key, seq, op, waiters, absent = stuck[0]
+    culprits = absent
+    seen = set(culprits)
+    for _ in range(len(dumps)):  # follow a culprit that itself waits on someone else
+        nxt = [s for s in stuck if set(s[4]) & set(culprits) and not set(s[5]) <= seen]
+        if not nxt:
+            break
+        culprits = [r for r in nxt[0][5] if r not in seen] or culprits
+        seen |= set(culprits)
+    step = max((d.get("step") or 0) for d in dumps.values()) + 1
+    root = culprits[0]
+    waited = max((dumps[w].get("idle_s") or 0) for w in waiters) if waiters else 0
+    chain = "" if culprits == absent else f" (which wait on rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))})"
+    line = (f"hang: rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never entered collective #{seq} "
+            f"({op} on {_label(key)}) at step {step}{chain}; rank{'s' if len(waiters) > 1 else ''} "
+            f"{', '.join(map(str, waiters))} waited in it {waited:.1f} s; rank {root} was {_where(dumps.get(root))}")
+    return {"verdict": "hang", "ranks": culprits, "group": key[1] if key[0] == "group" else "p2p",
+            "group_ranks": list(_members(key)), "seq": seq, "op": op, "step": step, "line": line}
+
+
+def find_failure(dumps: dict[int, dict]) -> dict | None:
+    own = [d for d in dumps.values() if d.get("reason") in OWN_FAILURES]
+    if not own:
+        return None
+    first = min(own, key=lambda d: d["time"])
+    kind = first["reason"]
+    ranks = sorted(first.get("culprits") or [first["rank"]])
+    report = first.get("report") or [first.get("error", {}).get("message", "")]
+    pending = _pending(dumps, first["rank"])
+    return {"verdict": kind, "ranks": ranks, "group": pending[0]["axis"] if pending else None,
+            "seq": pending[0]["seq"] if pending else None, "op": pending[0]["op"] if pending else None,
+            "step": (first.get("step") or 0) + 1, "phase": first.get("phase"), "line": f"{kind}: {report[0]}",
+            "details": report[1:]}
+
+
+def analyze(run_dir: Path | str) -> dict:
+    """The verdict for a run directory: a dict with verdict, line, ranks, group, seq, op (and more)."""
+    run_dir = Path(run_dir)
+    dumps = read_dumps(run_dir)
+    if not dumps:
+        return analyze_finished(run_dir)
+    world = max(d["world_size"] for d in dumps.values())
+    missing = sorted(set(range(world)) - set(dumps))
+    result = find_desync(dumps) or find_failure(dumps) or find_hang(dumps)
+    if result is None:
+        lost = [r for r, d in dumps.items() if d.get("reason") == "peer_lost"]
+        if missing:
+            result = {"verdict": "crash", "ranks": missing, "line": f"crash: rank{'s' if len(missing) > 1 else ''} "
+                      f"{', '.join(map(str, missing))} died without a report (killed, or a native crash); "
+                      f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'their' if len(lost) > 1 else 'its'} peer"}
+        else:
+            result = {"verdict": "unknown", "ranks": sorted(dumps), "line": "unknown: every rank dumped, none waits "
+                      "on another; see each rank's stacks in the dumps"}
+    result.setdefault("details", [])
+    result.update(missing_dumps=missing, dumps=sorted(dumps))
+    result["details"] = result["details"] + [_rank_line(d) for _, d in sorted(dumps.items())]
+    for key in ("group", "seq", "op", "step"):
+        result.setdefault(key, None)
+    return result
+
+
+def _rank_line(d: dict) -> str:
+    pending = [r for r in d.get("records", []) if r.get("t_end") is None]
+    inside = (f"waiting in {pending[0]['op']} #{pending[0]['seq']} on {pending[0]['axis']}" if pending
+              else "in no collective")
+    return (f"rank {d['rank']} ({d.get('host')}, pid {d.get('pid')}): {d['reason']} at step {(d.get('step') or 0) + 1} "
+            f"({d.get('phase')}), {inside}, {_where(d)}")
+
+
+def analyze_finished(run_dir: Path) -> dict:
+    """A run without dumps: compare the recorder files every rank wrote at the end."""
+    files = sorted((run_dir / "logs").glob("comm_rank*.jsonl"))
+    if not files:
+        return {"verdict": "none", "ranks": [], "group": None, "seq": None, "op": None, "step": None, "details": [],
+                "line": f"nothing to analyze: no dumps in {run_dir / 'debug'} and no recorder files in {run_dir / 'logs'}"}
+    dumps = {}
+    for f in files:
+        records = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        rank = int(f.stem.removeprefix("comm_rank"))
+        dumps[rank] = {"rank": rank, "records": records,
+                       "groups": _groups_from_config(run_dir, rank, records, len(files))}
+    result = find_desync(dumps)
+    if result is None:
+        result = {"verdict": "ok", "ranks": [], "group": None, "seq": None, "op": None,
+                  "line": f"ok: {len(files)} ranks' collectives agree (no dump: nothing timed out or failed)"}
+    result.update(step=None, details=[], dumps=[])
+    return result
+
+
+def _groups_from_config(run_dir: Path, rank: int, records: list[dict], world: int) -> dict[str, list[int]]:
+    """Group members for a finished run's labels, from the layout in its config.toml."""
+    from meshlm.config import load_config, resolve
+    from meshlm.mesh import Layout, normalize_axes
+
+    try:
+        cfg = resolve(load_config(str(run_dir / "config.toml")), world_size=world)
+        layout = Layout.from_config(cfg.parallel, world)
+    except Exception:
+        return {}
+    groups = {}
+    for label in {r["axis"] for r in records if r["op"] not in ("send", "recv")}:
+        try:
+            groups[label] = list(layout.group_of(rank, normalize_axes("world" if label == "world" else label.split("+"))))
+        except ValueError:  # a label that is not an axis combination: compared by label alone
+            continue
+    return groups

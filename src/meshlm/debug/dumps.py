@@ -1,0 +1,86 @@
+"""What a rank leaves in `run.dir/debug/` when a run goes wrong: one JSON file per rank, read by
+`meshlm debug analyze` (debug/analyze.py).
+
+Each dump holds why it was written (`reason`: timeout, error, oom, nonfinite), the rank's step and
+phase, its flight-recorder ring (every recent collective with its per-group sequence number, shape
+and whether it finished), the ranks of every group it used, the Python stacks of all its threads
+and, for a failure, the exception. Files are written to a temporary name and renamed, so a
+reader never sees half a dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+DEBUG_DIR = "debug"
+
+
+def debug_dir(run_dir: Path | str) -> Path:
+    return Path(run_dir) / DEBUG_DIR
+
+
+def thread_stacks() -> dict[str, list[str]]:
+    """Every thread's Python stack, innermost frame last, by thread name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)
+            for ident, frame in sys._current_frames().items()}
+
+
+def write_dump(run_dir: Path | str, rank: int, world_size: int, reason: str, *, progress, comm,
+               error: BaseException | None = None, **extra: Any) -> Path:
+    """Write this rank's dump; returns its path. Never raises (it runs while things are failing)."""
+    path = debug_dir(run_dir) / f"rank{rank}.json"
+    dump = {
+        "rank": rank, "world_size": world_size, "reason": reason, "time": time.time(),
+        "host": socket.gethostname(), "pid": os.getpid(),
+        "step": progress.step if progress else None, "phase": progress.phase if progress else None,
+        "groups": comm.groups() if comm else {}, "records": comm.recorder.dump() if comm else [],
+        "stacks": thread_stacks(), **extra,
+    }
+    if error is not None:
+        dump["error"] = {"type": type(error).__name__, "message": str(error).strip().splitlines()[0][:500]
+                         if str(error).strip() else "",
+                         "traceback": traceback.format_exception(type(error), error, error.__traceback__)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(dump, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"meshlm: rank {rank}: could not write {path}: {e}", file=sys.stderr, flush=True)
+    return path
+
+
+def read_dumps(run_dir: Path | str) -> dict[int, dict]:
+    out = {}
+    for path in sorted(debug_dir(run_dir).glob("rank*.json")):
+        try:
+            dump = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(dump["rank"])] = dump
+    return out
+
+
+def clear_dumps(run_dir: Path | str) -> None:
+    """A new run's dumps must not be read together with an earlier run's."""
+    for path in debug_dir(run_dir).glob("rank*.json*"):
+        path.unlink(missing_ok=True)
+
+
+def wait_for_peers(run_dir: Path | str, world_size: int, grace_s: float) -> None:
+    """Give the other ranks' watchdogs a moment to dump before this rank exits: once one rank
+    exits, torchrun stops the rest, and a rank stopped before its dump leaves no trace."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if len(list(debug_dir(run_dir).glob("rank*.json"))) >= world_size:
+            return
+        time.sleep(0.05)

@@ -1,0 +1,105 @@
+"""One rank's safety net: the watchdog while it trains, and for any failure a dump in
+`run.dir/debug/` and a short report on stderr instead of a traceback per rank.
+
+Reduces: N interleaved tracebacks (one per rank, most of them "connection closed by peer") to
+the failing rank's own report: an OOM block, a non-finite step's culprit, or the exception's
+last line, each with rank, step and phase.
+Costs: the watchdog's thread (debug/watchdog.py); nothing else until something fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from meshlm.debug.dumps import write_dump
+from meshlm.debug.fingerprint import DesyncError
+from meshlm.debug.nonfinite import NonFiniteError
+from meshlm.debug.oom import is_out_of_memory, oom_report
+from meshlm.debug.watchdog import Watchdog
+from meshlm.errors import ConfigError, RunError
+
+# Errors a rank sees because another rank died first: the other rank's dump holds the cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+             "NCCL communicator was aborted")
+
+
+class RankFailed(Exception):
+    """Raised by RankGuard after the failure was dumped and reported: exit 1, print nothing more."""
+
+    def __init__(self, kind: str, line: str) -> None:
+        super().__init__(line)
+        self.kind = kind
+
+
+def failure_kind(error: BaseException) -> str:
+    if isinstance(error, NonFiniteError):
+        return "nonfinite"
+    if isinstance(error, DesyncError):
+        return "desync"
+    if is_out_of_memory(error):
+        return "oom"
+    if any(marker in str(error) for marker in PEER_LOST):
+        return "peer_lost"
+    return "error"
+
+
+class RankGuard:
+    """`with RankGuard(cfg, rank, world) as guard: ... guard.attach(trainer) ...`"""
+
+    def __init__(self, cfg, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.trainer = None
+        self.watchdog: Watchdog | None = None
+
+    def __enter__(self) -> "RankGuard":
+        return self
+
+    def attach(self, trainer) -> None:
+        """From now on the failure report knows the step, phase and engine; ranks are watched."""
+        self.trainer = trainer
+        if self.world_size > 1:
+            d = self.cfg.debug
+            self.watchdog = Watchdog(trainer.comm, trainer.progress, self.cfg.run.dir, d.timeout_s,
+                                     d.startup_timeout_s).__enter__()
+
+    def release(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.__exit__(None, None, None)
+            self.watchdog = None
+
+    def __exit__(self, exc_type, error, tb) -> bool:
+        self.release()
+        if error is None or isinstance(error, (ConfigError, KeyboardInterrupt, SystemExit, RankFailed)) or (
+                isinstance(error, RunError) and not isinstance(error, DesyncError)):
+            return False
+        kind = failure_kind(error)
+        lines = self.report(kind, error)
+        t = self.trainer
+        write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
+                   comm=t.comm if t else None, error=error, report=lines,
+                   culprits=getattr(error, "ranks", [self.rank]))
+        # Under a launcher its one-line verdict says the rest (cli._failure_line); an OOM's block is longer.
+        if kind == "oom" or self.world_size == 1:
+            print("\n".join(f"meshlm: {line}" if i == 0 else line for i, line in enumerate(lines)),
+                  file=sys.stderr, flush=True)
+        raise RankFailed(kind, lines[0]) from error
+
+    def report(self, kind: str, error: BaseException) -> list[str]:
+        t = self.trainer
+        step = t.progress.step + 1 if t else 0
+        phase = t.progress.phase if t else "setup"
+        if kind == "oom":
+            device = t.device if t else _device_of(self.cfg)
+            return oom_report(self.cfg, self.rank, step, phase, t.dp if t else None, device)
+        if kind in ("nonfinite", "desync"):
+            return [str(error)]
+        last = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+        return [f"rank {self.rank} failed at step {step} ({phase}): {type(error).__name__}: {last}"]
+
+
+def _device_of(cfg):
+    import torch
+
+    from meshlm.mesh import default_device
+
+    return default_device("nccl" if torch.cuda.is_available() else "gloo")
