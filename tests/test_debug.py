@@ -1,0 +1,205 @@
+"""Failure diagnosis without launching jobs: the analyzer on constructed dumps, the watchdog and
+the non-finite check on forked ranks, the desync fingerprint, stragglers and the OOM report.
+End-to-end faults through `meshlm train` are in test_debug_cli.py."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import build_trainer, small_cfg
+from meshlm.comm import Comm
+from meshlm.debug.analyze import analyze
+from meshlm.debug.dumps import read_dumps
+from meshlm.debug.fingerprint import DesyncError, check, odd_ranks
+from meshlm.debug.nonfinite import NonFiniteError
+from meshlm.debug.oom import candidate_changes, is_out_of_memory, oom_report
+from meshlm.debug.progress import Progress
+from meshlm.debug.stragglers import StragglerDetector
+from meshlm.debug.watchdog import Watchdog
+from meshlm.mesh import Layout, ParallelContext
+from meshlm.testing import run_ranks
+
+
+# ---------------------------------------------------------------- the analyzer on constructed dumps
+
+def rec(seq, op="all_reduce", axis="dp", numel=1, dtype="float32", done=True, peer=None, t=0.0):
+    return {"seq": seq, "op": op, "axis": axis, "numel": numel, "dtype": dtype, "peer": peer,
+            "t_start": t, "t_end": t + 0.1 if done else None}
+
+
+def write(tmp_path, rank, world, records, groups, reason="timeout", step=3, **extra):
+    (tmp_path / "debug").mkdir(exist_ok=True)
+    dump = {"rank": rank, "world_size": world, "reason": reason, "time": 100.0 + rank, "step": step,
+            "phase": "forward", "groups": groups, "records": records, "stacks": {}, "idle_s": 5.0, **extra}
+    (tmp_path / "debug" / f"rank{rank}.json").write_text(json.dumps(dump))
+
+
+def test_hang_names_the_rank_that_never_entered_the_collective(tmp_path):
+    dp = {"dp": [0, 1, 2, 3]}
+    for r in (0, 1, 3):  # three ranks wait in #5; rank 2 finished #4 and never called #5
+        write(tmp_path, r, 4, [rec(4), rec(5, done=False, t=1.0)], dp)
+    write(tmp_path, 2, 4, [rec(4)], dp)
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["group"], v["seq"], v["op"]) == ("hang", [2], "dp", 5, "all_reduce")
+    assert v["line"].startswith("hang: rank 2 never entered collective #5 (all_reduce on dp [0, 1, 2, 3])")
+
+
+def test_hang_follows_the_culprit_to_the_rank_that_waits_on_nothing(tmp_path):
+    # tp groups {0,1} {2,3}, dp groups {0,2} {1,3}: rank 0 waits in tp #7 for rank 1, which waits in
+    # dp #3 for rank 3, which is in no collective at all: the root is rank 3.
+    g = {0: {"tp": [0, 1], "dp": [0, 2]}, 1: {"tp": [0, 1], "dp": [1, 3]}, 2: {"tp": [2, 3], "dp": [0, 2]},
+         3: {"tp": [2, 3], "dp": [1, 3]}}
+    write(tmp_path, 0, 4, [rec(6, axis="tp"), rec(7, axis="tp", done=False, t=2.0)], g[0])
+    write(tmp_path, 1, 4, [rec(6, axis="tp"), rec(3, axis="dp", done=False, t=1.0)], g[1])
+    write(tmp_path, 2, 4, [rec(6, axis="tp"), rec(3, axis="dp")], g[2])
+    write(tmp_path, 3, 4, [rec(6, axis="tp"), rec(2, axis="dp")], g[3])
+    v = analyze(tmp_path)
+    assert v["verdict"] == "hang" and v["ranks"] == [3] and (v["group"], v["seq"]) == ("dp", 3)
+
+
+def test_a_missing_sender_is_named_for_a_waiting_receiver(tmp_path):
+    write(tmp_path, 0, 2, [rec(0, op="send", axis="pp", peer=1)], {})
+    write(tmp_path, 1, 2, [rec(0, op="recv", axis="pp", peer=0), rec(1, op="recv", axis="pp", peer=0, done=False)], {})
+    v = analyze(tmp_path)
+    assert v["verdict"] == "hang" and v["ranks"] == [0] and v["group"] == "p2p" and v["seq"] == 1
+
+
+@pytest.mark.parametrize("world,odd", [(3, [2]), (4, [1]), (2, [0, 1])])
+def test_desync_names_the_minority_or_both_on_a_tie(tmp_path, world, odd):
+    ranks = list(range(world))
+    for r in ranks:
+        odd_one = rec(1, dtype="int32" if r == odd[0] else "float32")  # on a tie, one of each
+        write(tmp_path, r, world, [rec(0), odd_one, rec(2, done=False)], {"dp": ranks})
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"]) == ("desync", odd, 1)
+
+
+def test_a_ranks_own_failure_outranks_the_peers_it_took_down(tmp_path):
+    groups = {"dp": [0, 1]}
+    write(tmp_path, 1, 2, [rec(0)], groups, reason="error", culprits=[1],
+          report=["rank 1 failed at step 3 (forward): RuntimeError: boom"])
+    write(tmp_path, 0, 2, [rec(0), rec(1, done=False)], groups, reason="peer_lost")
+    v = analyze(tmp_path)
+    assert v["verdict"] == "error" and v["ranks"] == [1] and "RuntimeError: boom" in v["line"]
+
+
+def test_a_rank_without_a_dump_is_a_crash(tmp_path):
+    write(tmp_path, 0, 2, [rec(0)], {"dp": [0, 1]}, reason="peer_lost")
+    v = analyze(tmp_path)
+    assert v["verdict"] == "crash" and v["ranks"] == [1]
+
+
+def test_a_finished_run_is_ok_and_no_data_is_none(tmp_path):
+    assert analyze(tmp_path)["verdict"] == "none"
+    (tmp_path / "logs").mkdir()
+    for r in (0, 1):
+        (tmp_path / "logs" / f"comm_rank{r}.jsonl").write_text(json.dumps({**rec(0), "rank": r}) + "\n")
+    assert analyze(tmp_path)["verdict"] == "ok"
+
+
+# ---------------------------------------------------------------- the watchdog on forked ranks
+
+def _one_rank_stalls(run_dir, stall_rank):
+    rank = dist.get_rank()
+    ctx = ParallelContext(Layout(dp=2))
+    comm, progress = Comm(ctx), Progress()
+    with Watchdog(comm, progress, run_dir, timeout_s=0.4, startup_timeout_s=0.4, exit_process=False) as dog:
+        comm.all_reduce(torch.ones(1), "dp")
+        if rank == stall_rank:
+            time.sleep(1.5)  # stops before the collective the other rank is already in
+        comm.all_reduce(torch.ones(1), "dp")
+        return dog.fired.is_set()
+
+
+def test_watchdog_dumps_every_rank_and_the_analysis_names_the_stalled_one(tmp_path):
+    assert run_ranks(_one_rank_stalls, 2, tmp_path, 1, timeout=30) == [True, True]
+    dumps = read_dumps(tmp_path)
+    assert sorted(dumps) == [0, 1] and {d["reason"] for d in dumps.values()} == {"timeout"}
+    assert dumps[0]["records"][-1]["t_end"] is None and dumps[1]["records"][-1]["t_end"] is not None
+    assert any("_one_rank_stalls" in "".join(frames) for frames in dumps[1]["stacks"].values())
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["group"], v["seq"]) == ("hang", [1], "dp", 1)
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+def _nan_step(corpus, run_dir, policy):
+    cfg = small_cfg(corpus, run_dir, 2, "parallel.dp=2", "debug.fault=nan", "debug.fault_rank=1",
+                    "debug.fault_step=2", f"train.on_nonfinite={policy}", steps=3)
+    trainer = build_trainer(cfg)
+    trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    try:
+        second = trainer.train_step()
+    except NonFiniteError as e:
+        return "stopped", e.ranks, str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    third = trainer.train_step()
+    return second.grad_norm, unchanged, trainer.nonfinite_skipped, third.loss, second.nonfinite
+
+
+def test_skip_drops_the_nonfinite_update_and_training_goes_on(corpus, tmp_path):
+    for norm, unchanged, skipped, next_loss, report in run_ranks(_nan_step, 2, corpus, tmp_path, "skip"):
+        assert norm != norm and unchanged and skipped == 1 and next_loss == next_loss  # nan, then finite
+        assert "the loss of rank 1 is not finite" in report and "tok_embeddings.weight" in report
+
+
+def test_stop_raises_on_every_rank_naming_the_rank_whose_loss_went_bad(corpus, tmp_path):
+    for kind, ranks, message in run_ranks(_nan_step, 2, corpus, tmp_path, "stop"):
+        assert kind == "stopped" and ranks == [1] and "at step 2" in message
+
+
+# ---------------------------------------------------------------- fingerprints, stragglers, OOM
+
+def test_fingerprints_disagree_only_within_a_pipeline_stage():
+    stages = Layout(dp=2, pp=2).groups(("tp", "cp", "dp"))  # [(0, 1), (2, 3)]
+    assert odd_ranks([5.0, 5.0, 7.0, 7.0], stages) is None  # stages differ from each other: fine
+    assert odd_ranks([5.0, 5.0, 7.0, 8.0], stages) == ((2, 3), [2, 3])  # a tie: both named
+    three = Layout(dp=3).groups(("tp", "cp", "dp"))
+    with pytest.raises(DesyncError) as e:
+        check([1.0, 2.0, 1.0], three, step=4)
+    assert e.value.ranks == [1] and "step 4" in str(e.value)
+
+
+def test_traced_collectives_fingerprint_op_shape_and_dtype_and_count_blocked_time():
+    def fingerprints():
+        comm = Comm(ParallelContext(Layout(dp=3)))
+        comm.desync_next = dist.get_rank() == 2  # same bytes, another dtype: gloo does not notice
+        comm.all_reduce(torch.ones(4, dtype=torch.float64), "dp")
+        comm.all_reduce(torch.ones(2), "dp")
+        return comm.recorder.fingerprint, comm.recorder.blocked_s > 0
+
+    (a, blocked0), (b, _), (c, _) = run_ranks(fingerprints, 3)
+    assert a == b != c and blocked0
+
+
+def test_a_rank_slower_for_three_steps_is_named_once():
+    warnings = []
+    detector = StragglerDetector(0.2, patience=3, warn=warnings.append)
+    fields = [detector.observe(s, [0.10, 0.30, 0.11]) for s in range(1, 6)]
+    assert fields[0] == {"slowest_rank": 1, "slowest_rank_s": 0.30, "fastest_rank": 0, "fastest_rank_s": 0.10}
+    assert len(warnings) == 1 and "rank 1" in warnings[0] and "step 3" in warnings[0]
+    quiet = StragglerDetector(0.2, patience=3, warn=warnings.append)
+    for s in range(5):  # 15% slower, or slow but not three steps in a row: no warning
+        quiet.observe(s, [0.10, 0.115, 0.10])
+        quiet.observe(s, [0.10, 0.30 if s % 2 else 0.10, 0.10])
+    assert len(warnings) == 1
+    pair = StragglerDetector(0.5, patience=3, warn=warnings.append)
+    for s in range(3):  # twice the other rank's time: a straggler against the others, not the mean
+        pair.observe(s, [0.10, 0.20])
+    assert len(warnings) == 2 and "rank 1" in warnings[1]
+
+
+def test_oom_report_names_rank_phase_categories_and_changes_that_fit(corpus, tmp_path):
+    cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2", "train.micro_batch_size=4")
+    assert [c for c, _ in candidate_changes(cfg)][:3] == ["parallel.zero=1", "train.recompute=full",
+                                                         "train.micro_batch_size=2"]
+    lines = oom_report(cfg, 1, 7, "backward", None, torch.device("cpu"))
+    assert lines[0].startswith("out of memory on rank 1 in the backward of step 7")
+    assert {"params", "grads", "optimizer", "activations", "peak"} <= {line.split()[0] for line in lines[1:-1]}
+    assert lines[-1].startswith("  to fit: ")
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
