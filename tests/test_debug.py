@@ -154,6 +154,18 @@ def test_stop_raises_on_every_rank_naming_the_rank_whose_loss_went_bad(corpus, t
 
 # ---------------------------------------------------------------- fingerprints, stragglers, OOM
 
+def _evaluate_then_step(corpus, run_dir):
+    cfg = small_cfg(corpus, run_dir, 4, "parallel.tp=2", "parallel.dp=2", "train.eval_batches=3", steps=2)
+    trainer = build_trainer(cfg)
+    trainer.evaluate()  # dp rank 0 runs 2 held-out batches, rank 1 one: their tp collectives differ
+    return trainer.train_step().loss
+
+
+def test_unequal_evaluation_work_is_not_a_desync(corpus, tmp_path):
+    losses = run_ranks(_evaluate_then_step, 4, corpus, tmp_path)
+    assert len(set(losses)) == 1
+
+
 def test_fingerprints_disagree_only_within_a_pipeline_stage():
     stages = Layout(dp=2, pp=2).groups(("tp", "cp", "dp"))  # [(0, 1), (2, 3)]
     assert odd_ranks([5.0, 5.0, 7.0, 7.0], stages) is None  # stages differ from each other: fine

@@ -129,7 +129,7 @@ class CheckpointConfig:
 class DebugConfig:
     # The watchdog (debug/watchdog.py): a rank with no collective started or finished and no phase
     # change for this long dumps its state to run.dir/debug/ and the job exits 1; the first step
-    # (building, loading, warm-up) gets the longer startup limit.
+    # (building, loading, warm-up) and checkpoint writes get the longer startup limit.
     timeout_s: float = 300.0
     startup_timeout_s: float = 900.0
     # An injected failure (debug/faults.py) on rank `fault_rank` at step `fault_step`: kill, hang,

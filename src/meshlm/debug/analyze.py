@@ -113,15 +113,18 @@ def _stuck_groups(dumps: dict[int, dict]) -> list[tuple]:
 
 
 def _where(dump: dict | None) -> str:
-    """The innermost frame of the main thread's stack, e.g. 'time.sleep in faults.py:52'."""
+    """Where the rank's main thread was, e.g. 'in before_step (faults.py:52)': the innermost
+    meshlm frame of the exception's traceback, or of the main thread's stack for a timeout."""
     if not dump:
         return "left no dump"
-    for name, frames in dump.get("stacks", {}).items():
-        if name.startswith("MainThread") and frames:
-            head = frames[-1].strip().splitlines()[0]  # File "...", line N, in func
-            parts = head.replace('"', "").replace(",", "").split()
-            if len(parts) >= 6:
-                return f"in {parts[5]} ({Path(parts[1]).name}:{parts[3]})"
+    frames = (dump.get("error") or {}).get("traceback") or next(
+        (f for name, f in dump.get("stacks", {}).items() if name.startswith("MainThread")), [])
+    heads = [line.strip().splitlines()[0] for line in frames if line.strip().startswith("File ")]
+    ours = [h for h in heads if "/meshlm/" in h and "/meshlm/comm/" not in h] or heads  # the op's caller
+    if ours:
+        parts = ours[-1].replace('"', "").replace(",", "").split()  # File PATH line N in FUNC
+        if len(parts) >= 6:
+            return f"in {parts[5]} ({Path(parts[1]).name}:{parts[3]})"
     return f"in the {dump.get('phase')} phase"
 
 
@@ -185,7 +188,9 @@ def analyze(run_dir: Path | str) -> dict:
     result.setdefault("details", [])
     result.update(missing_dumps=missing, dumps=sorted(dumps))
     result["details"] = result["details"] + [_rank_line(d) for _, d in sorted(dumps.items())]
-    for key in ("group", "seq", "op", "step"):
+    if result.get("step") is None:
+        result["step"] = max((d.get("step") or 0) for d in dumps.values()) + 1
+    for key in ("group", "seq", "op"):
         result.setdefault(key, None)
     return result
 

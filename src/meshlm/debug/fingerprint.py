@@ -8,8 +8,9 @@ the small all-gather every step already makes.
 
 Ranks that differ only in their tp, cp or dp coordinate do the same work: the same collectives,
 in the same order, with the same shapes (tensor-parallel shards are padded to equal sizes;
-ZeRO's flat shards too). So the running fingerprint of each rank's collectives (op, size, dtype)
-must be equal across the ranks of one pipeline stage; pipeline stages differ and are not compared.
+ZeRO's flat shards too). So the fingerprint of each rank's collectives (op, size, dtype) in one
+training step must be equal across the ranks of one pipeline stage; pipeline stages differ and
+are not compared, and nor is evaluation (dp ranks take unequal numbers of held-out batches).
 """
 
 from __future__ import annotations

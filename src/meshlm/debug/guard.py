@@ -98,8 +98,7 @@ class RankGuard:
 
 
 def _device_of(cfg):
-    import torch
+    """This rank's device when the failure came before the trainer existed."""
+    from meshlm.mesh import default_backend, default_device
 
-    from meshlm.mesh import default_device
-
-    return default_device("nccl" if torch.cuda.is_available() else "gloo")
+    return default_device(default_backend(cfg.parallel.backend))

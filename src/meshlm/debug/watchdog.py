@@ -7,8 +7,9 @@ Costs: one thread per rank that wakes about once a second and reads two timestam
 
 A rank shows life by starting or finishing a collective (the flight recorder's `last_event`) or by
 changing phase (debug/progress.py). When neither has happened for `timeout_s`
-(`startup_timeout_s` until the first step is done: building, loading and the first step's warm-up
-may take long), the rank dumps and exits. Every rank of a hung job stops showing life at about the
+(`startup_timeout_s` until the first step is done, since building, loading and the first step's
+warm-up may take long, and while checkpoints or the final weights are written), the rank dumps
+and exits. Every rank of a hung job stops showing life at about the
 same moment (the culprit at its last collective, the others as they enter the next one), so all
 of them dump; `meshlm debug analyze` then compares the dumps. The process group is created with a
 timeout longer than these (`backend_timeout_s`), so the backend never kills a rank first.
@@ -26,6 +27,9 @@ from pathlib import Path
 from meshlm.debug.dumps import debug_dir, wait_for_peers, write_dump
 
 PEER_GRACE_S = 5.0  # how long a rank that dumped waits for the others' dumps before exiting
+# Phases where ranks wait on another's disk writes (a checkpoint, the final weights) without any
+# collective: they get the longer startup limit, as a big model's files take minutes.
+SLOW_PHASES = ("checkpoint", "gather")
 
 
 def backend_timeout(debug_cfg) -> timedelta:
@@ -52,7 +56,8 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def limit_s(self) -> float:
-        return self.timeout_s if self.progress.step > 0 else self.startup_timeout_s
+        slow = self.progress.step == 0 or self.progress.phase in SLOW_PHASES
+        return self.startup_timeout_s if slow else self.timeout_s
 
     def idle_s(self) -> float:
         return time.perf_counter() - max(self.comm.recorder.last_event, self.progress.last_change)

@@ -178,11 +178,14 @@ class Trainer:
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         blocked0 = self.comm.recorder.blocked_s
+        # The step's own collectives only: evaluation gives dp ranks unequal batch counts.
+        self.comm.recorder.fingerprint = 0
         self.progress.at("batch")  # counting the step's target tokens: its first collective
         self.faults.before_step(self.step + 1)
         with self.memory.step(self.dp.state_tensors()):
             loss_sum, global_tokens = self.forward_backward()
             grad_norm, nonfinite = self.optimizer_step(loss_sum)
+        self.progress.at("end of step")  # the loss and the small all-gather below
         loss = self._all_reduce(loss_sum).item() / global_tokens
         busy_s = time.perf_counter() - t0 - (self.comm.recorder.blocked_s - blocked0)
         peak, stop, ranks = self._gather_over_ranks(
