@@ -26,9 +26,9 @@ def _deterministic():
 
 @pytest.fixture(scope="session")
 def single_cli_run(corpus, tmp_path_factory):
-    """One process through `meshlm train` (helpers.cli_train_args): the reference loss curve the
-    end-to-end tests of every layout compare with. Returns (run dir, completed process)."""
+    """One rank through `meshlm train` (helpers.cli_train_args), in this process: the reference loss
+    curve the end-to-end tests of every layout compare with. Returns (run dir, completed process)."""
     from helpers import cli_train_args, run_meshlm
 
     run_dir = tmp_path_factory.mktemp("single-cli-run")
-    return run_dir, run_meshlm(*cli_train_args(corpus, run_dir))
+    return run_dir, run_meshlm(*cli_train_args(corpus, run_dir), in_process=True)

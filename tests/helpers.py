@@ -4,11 +4,19 @@ training loop the trainer is compared with."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from unittest import mock
 
 import pydoc_data.topics
 
@@ -45,13 +53,119 @@ def small_cfg(corpus: Path, run_dir: Path, world_size: int = 1, *extra: str, ste
     return resolve(load_config(None, [*small_train_args(corpus, run_dir, steps), *extra]), world_size=world_size)
 
 
-def run_meshlm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`meshlm ARGS` in a subprocess (the real CLI and launch path); fails the test on exit != 0."""
+def run_meshlm(*args: str, timeout: float = 240, in_process: bool = False) -> subprocess.CompletedProcess:
+    """`meshlm ARGS` in a subprocess (the real CLI and launch path), or with `in_process` through
+    meshlm.cli.main in this process (`meshlm_in_process`); fails the test on exit != 0."""
+    if in_process:
+        return meshlm_in_process(*args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
+
+
+def meshlm_in_process(*args: str, code: int | None = 0) -> subprocess.CompletedProcess:
+    """`meshlm ARGS` through meshlm.cli.main in this process, stdout and stderr captured into what
+    `run_meshlm` returns. A one-rank `meshlm train` runs the same code as in a subprocess (cmd_train
+    trains in the launcher's own process when the world is one rank), as do generate and export,
+    without the seconds a new interpreter takes to import torch and meshlm (a 6-step run: ~6 s in a
+    subprocess, under 1 s here). Not for several ranks, a signal or a crash: those need processes
+    of their own. `code`: the exit status to assert (None: any).
+
+    Each call must leave this process as it found it (`_process_state`): later tests run here.
+    glibc malloc is not tuned (train.keep_host_memory): mallopt cannot be undone, and the ranks
+    later tests fork would inherit it."""
+    from meshlm.cli import main
+
+    before, handlers = _process_state(), _meshlm_log_handlers()
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch("meshlm.train.worker.keep_freed_host_memory", lambda: False), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            returncode = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            returncode = e.code if isinstance(e.code, int) else 1
+    _close_new_log_handlers(handlers)  # a subprocess's would close at exit; a resumed run reopens its log
+    proc = subprocess.CompletedProcess(["meshlm", *args], returncode, out.getvalue(), err.getvalue())
+    if code is not None:
+        assert returncode == code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    after = _process_state(before["threads"])
+    assert after == before, {k: _changes(before[k], after[k]) for k in before if before[k] != after[k]}
+    return proc
+
+
+def _changes(before, after):
+    if isinstance(before, dict):
+        return {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    return before, after
+
+
+def _process_state(threads_before: frozenset | None = None) -> dict:
+    """What a run in this process could change and leave changed for the tests after it. Given the
+    threads from before the run, the ones it started get a few seconds to end (a background
+    checkpoint save finishing)."""
+    import faulthandler
+
+    import torch
+
+    if threads_before is not None:
+        _join_new_threads(threads_before, timeout=5)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+    return {"threads": _our_threads(),
+            "signals": {s: signal.getsignal(s) for s in handled}, "faulthandler": faulthandler.is_enabled(),
+            "torch_threads": torch.get_num_threads(), "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled(), "cwd": os.getcwd(),
+            "env": {k: v for k, v in os.environ.items() if k not in LIBRARY_ENV}}
+
+
+# What libraries set up once per process and keep, whoever used them first: torch's cache path,
+# set when its compiler is first imported; tqdm's monitor thread, started with the first bar.
+LIBRARY_ENV = {"TORCHINDUCTOR_CACHE_DIR"}
+LIBRARY_THREADS = {"tqdm_monitor"}
+
+
+def _our_threads() -> frozenset:
+    return frozenset((t.ident, t.name) for t in threading.enumerate() if t.is_alive() and t.name not in LIBRARY_THREADS)
+
+
+def _join_new_threads(before: frozenset, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if (thread.ident, thread.name) not in before and thread.name not in LIBRARY_THREADS:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _meshlm_log_handlers() -> dict[str, list]:
+    loggers = logging.root.manager.loggerDict
+    return {name: list(lg.handlers) for name, lg in loggers.items()
+            if name.startswith("meshlm") and isinstance(lg, logging.Logger)}
+
+
+def _close_new_log_handlers(before: dict[str, list]) -> None:
+    """The rank log files (logs/rankN.log) the run opened."""
+    for name, handlers in _meshlm_log_handlers().items():
+        for handler in handlers:
+            if handler not in before.get(name, []):
+                handler.close()
+                logging.getLogger(name).removeHandler(handler)
+
+
+def no_rank_left(run_dir: Path) -> None:
+    """No worker process of the run in `run_dir` outlives its launcher (within 10 s)."""
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the trailing /: this run's workers, not those of runs/x2 for runs/x
+        found = subprocess.run(["pgrep", "-f", f"meshlm.train.worker --config {run_dir}/"], capture_output=True)
+        if found.returncode != 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"rank processes still running: {found.stdout.decode()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

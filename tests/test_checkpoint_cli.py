@@ -1,9 +1,14 @@
 """Checkpoints end to end through `meshlm train`: resume after a crash, a killed rank restarted by
 torchrun, SIGTERM and Ctrl-C, corrupt checkpoints, and bad input. Every run here is compared with
-an uninterrupted one, loss by loss."""
+an uninterrupted one, loss by loss.
+
+One-rank runs that end by themselves run in this process (helpers.meshlm_in_process: the same
+code, without an interpreter start each); a crash, a signal and several ranks need real processes.
+The tests that start from a run with checkpoints share one (`four_steps`), each on its own copy."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import data_args, read_metrics, run_meshlm
+from helpers import data_args, meshlm_in_process, no_rank_left, read_metrics, run_meshlm
 
 STEPS = 6
 
@@ -34,29 +39,32 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-def no_rank_left(run_dir) -> None:
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        found = subprocess.run(["pgrep", "-f", f"meshlm.train.worker --config {run_dir}"], capture_output=True)
-        if found.returncode != 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"rank processes still running: {found.stdout.decode()}")
-
-
 @pytest.fixture(scope="module")
 def straight(corpus, tmp_path_factory):
     """Uninterrupted single-process losses (the reference)."""
     run_dir = tmp_path_factory.mktemp("straight")
-    run_meshlm(*train_args(corpus, run_dir))
+    run_meshlm(*train_args(corpus, run_dir), in_process=True)
     return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def four_steps(corpus, tmp_path_factory):
+    """A finished 4-step run with checkpoints at steps 2 and 4; `copy_of` gives each test its own."""
+    run_dir = tmp_path_factory.mktemp("four-steps")
+    run_meshlm(*train_args(corpus, run_dir, "checkpoint.keep=3", steps=4), in_process=True)
+    return run_dir
+
+
+def copy_of(run_dir, to):
+    shutil.copytree(run_dir, to, dirs_exist_ok=True)  # tmp_path exists already
+    return to
 
 
 def test_crash_then_resume_is_bitwise_exact_and_metrics_hold_every_step(corpus, tmp_path, straight):
     crashed = meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_step=3"))
     assert crashed.returncode == -signal.SIGKILL
     assert len(read_metrics(tmp_path)) == 3  # step 3 was logged after the checkpoint of step 2
-    resumed = run_meshlm(*train_args(corpus, tmp_path))
+    resumed = run_meshlm(*train_args(corpus, tmp_path), in_process=True)
     assert "resuming from" in resumed.stdout and "step_0000002" in resumed.stdout
     assert losses(tmp_path) == straight  # tolerance 0; step 3 ran twice and is listed once
 
@@ -132,24 +140,24 @@ def test_second_ctrl_c_exits_at_once_and_leaves_no_checkpoint_half_written(corpu
         assert verify(path) is None
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_path, straight):
-    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.keep=3", steps=4))
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_path, straight, four_steps):
+    copy_of(four_steps, tmp_path)
     newest = tmp_path / "checkpoints" / "step_0000004" / "rank00000.safetensors"
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF
     newest.write_bytes(bytes(data))
     (tmp_path / "checkpoints" / "step_0000005").mkdir()  # a directory without a manifest: never loaded
-    proc = run_meshlm(*train_args(corpus, tmp_path))
+    proc = run_meshlm(*train_args(corpus, tmp_path), in_process=True)
     assert "rank00000.safetensors: contents do not match the manifest's checksum" in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_0000002" in proc.stdout
     assert losses(tmp_path) == straight
 
 
-def test_no_good_checkpoint_is_exit_1_in_one_line(corpus, tmp_path):
-    run_meshlm(*train_args(corpus, tmp_path, steps=2))
-    (tmp_path / "checkpoints" / "step_0000002" / "meta.json").write_text("{}")
-    proc = meshlm(*train_args(corpus, tmp_path, steps=4))
-    assert proc.returncode == 1
+def test_no_good_checkpoint_is_exit_1_in_one_line(corpus, tmp_path, four_steps):
+    copy_of(four_steps, tmp_path)
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step_{step:07d}" / "meta.json").write_text("{}")
+    proc = meshlm_in_process(*train_args(corpus, tmp_path), code=1)
     assert proc.stderr.strip().splitlines()[-1].startswith("meshlm: error: no usable checkpoint")
     assert "Traceback" not in proc.stderr
 
@@ -167,8 +175,8 @@ def one_line_error(capsys, args, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys):
-    run_meshlm(*train_args(corpus, tmp_path / "run", steps=2))
+def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_steps):
+    copy_of(four_steps, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
     one_line_error(capsys, train_args(corpus, tmp_path / "a", f"checkpoint.resume={tmp_path}"), "no manifest.json")
     one_line_error(capsys, train_args(corpus, tmp_path / "b", f"checkpoint.resume={tmp_path / 'nope'}"),
@@ -185,11 +193,11 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "checkpoint.interval" in proc.stderr
 
 
-def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path):
+def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path, four_steps):
     """resume=never in a directory with checkpoints: they are moved aside, never mixed with the new
     run's (a later `auto` must not pick the old run's step 4 over the new run's step 2)."""
-    run_meshlm(*train_args(corpus, tmp_path, steps=4))
-    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.resume=never", steps=2))
+    copy_of(four_steps, tmp_path)
+    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.resume=never", steps=2), in_process=True)
     from meshlm.train.checkpoint.store import list_checkpoints
 
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_0000002"]
@@ -200,7 +208,7 @@ def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path):
 def test_async_save_through_the_trainer(corpus, tmp_path, straight):
     """checkpoint.async_save: the same losses, complete checkpoints, and each background save's
     duration reported in a later step's row."""
-    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.async_save=true", "checkpoint.keep=3"))
+    run_meshlm(*train_args(corpus, tmp_path, "checkpoint.async_save=true", "checkpoint.keep=3"), in_process=True)
     assert losses(tmp_path) == straight
     rows = read_metrics(tmp_path)
     assert all("checkpoint_s" in rows[s - 1] for s in (2, 4, 6))

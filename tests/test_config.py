@@ -8,6 +8,7 @@ import typing
 
 import pytest
 
+from helpers import meshlm_in_process
 from meshlm import cli
 from meshlm.config import RANGES, Config, ConfigError, _toml_value, load_config, resolve, to_toml
 
@@ -144,10 +145,14 @@ def _meshlm(*args):
     (["generate", "--checkpoint", "/no/such/dir"], "--checkpoint"),
 ])
 def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
-    proc = _meshlm(*args, *([f"run.dir={tmp_path}"] if args[0] == "train" else []))
-    assert proc.returncode == 2, proc.stderr
-    assert key in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    """Through meshlm.cli.main in this process (what `python -m meshlm.cli` runs; an exception that
+    escaped it would fail the test here too), and the first case also through a real process."""
+    args = [*args, *([f"run.dir={tmp_path}"] if args[0] == "train" else [])]
+    procs = [meshlm_in_process(*args, code=None), *([_meshlm(*args)] if key == "train.nosuchkey" else [])]
+    for proc in procs:
+        assert proc.returncode == 2, proc.stderr
+        assert key in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------- every declared range

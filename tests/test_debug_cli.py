@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import data_args, read_metrics
+from helpers import data_args, no_rank_left, read_metrics
 from meshlm.cli import main as meshlm_main
 
 
@@ -23,16 +23,6 @@ def train(corpus, run_dir, nproc, *overrides, steps=3):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     no_rank_left(run_dir)
     return proc, time.monotonic() - t0
-
-
-def no_rank_left(run_dir) -> None:
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        found = subprocess.run(["pgrep", "-f", f"meshlm.train.worker --config {run_dir}/"], capture_output=True)
-        if found.returncode != 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"rank processes still running: {found.stdout.decode()}")
 
 
 def analyze_json(run_dir, capsys) -> dict:

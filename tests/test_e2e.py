@@ -1,9 +1,16 @@
-"""End to end through the real launch path: `meshlm train --nproc 2` (torchrun) against one
-process, the run-directory contract, and `meshlm generate` on the result."""
+"""End to end through the real launch path: two nodes on this machine through `meshlm train
+--nnodes 2` (torchrun, c10d rendezvous) against one process, the run-directory contract, and
+`meshlm generate` on the result."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
-from helpers import cli_train_args, read_metrics, run_meshlm
+from helpers import cli_train_args, free_port, no_rank_left, read_metrics, run_meshlm
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mem_peak_bytes"}
 
@@ -24,21 +31,85 @@ def test_single_process_run_writes_the_run_directory_contract(single_cli_run):
         ["memory: predicted", "memory: measured"]
 
 
-def test_two_ranks_through_torchrun_follow_the_single_process_loss_curve(corpus, single_cli_run, tmp_path):
-    run_dir, _ = single_cli_run
-    proc = run_meshlm(*cli_train_args(corpus, tmp_path, nproc=2))
-    reference, two_ranks = read_metrics(run_dir), read_metrics(tmp_path)
-    assert [r["loss"] for r in two_ranks] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
-    assert [r["eval_loss"] for r in two_ranks if "eval_loss" in r] == pytest.approx(
+def start_node(corpus, run_dir, node_rank: int, port: int) -> subprocess.Popen:
+    # Each node its own run.dir, as on machines that share no filesystem: so no checkpoints.
+    args = [*cli_train_args(corpus, run_dir, "parallel.dp=2", "checkpoint.interval=0"), "--nnodes", "2",
+            "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_two_nodes_through_torchrun_follow_the_single_process_loss_curve_and_both_exit_zero(
+        corpus, single_cli_run, tmp_path):
+    """Two ranks through torchrun with the same checks as the `--nproc 2` run this file had (loss,
+    eval loss, rank 1's log): that run's launch path, torchrun --standalone, is still run end to end
+    by the CLI tests of test_fsdp, test_pipeline, test_tensor_parallel_e2e and test_checkpoint_cli.
+
+    Node 1 starts first: the rendezvous orders nodes by host name and launcher pid, so global rank
+    0 runs on node 1, the case where node 0 went on to print a sample from a final/ it did not
+    have and exited 2."""
+    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
+    nodes = {r: start_node(corpus, dirs[r], r, port) for r in dirs}
+    try:
+        out = {r: node.communicate(timeout=240) for r, node in nodes.items()}
+    finally:
+        for node in nodes.values():
+            node.kill()
+    assert {r: node.returncode for r, node in nodes.items()} == {1: 0, 0: 0}, out
+    (rank0_node,) = [r for r in dirs if "--- sample" in out[r][0]]  # exactly one node prints it
+    other = 1 - rank0_node
+    assert f"global rank 0 ran on node {rank0_node}" in out[other][0] and "--- sample" not in out[other][0]
+    reference, two_nodes = read_metrics(single_cli_run[0]), read_metrics(dirs[rank0_node])
+    assert [r["loss"] for r in two_nodes] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+    assert [r["eval_loss"] for r in two_nodes if "eval_loss" in r] == pytest.approx(
         [r["eval_loss"] for r in reference if "eval_loss" in r], abs=1e-5)
-    assert (tmp_path / "logs" / "rank1.log").exists()
-    assert "dp=2" in proc.stdout
+    assert (dirs[other] / "logs" / "rank1.log").exists() and not (dirs[other] / "metrics.jsonl").exists()
+    assert "dp=2" in out[0][0] and "dp=2" in out[1][0]
+    for run_dir in dirs.values():
+        no_rank_left(run_dir)
+
+
+def _meet_rank0(run_dirs, interval):
+    """One rank per "node" (forked), each with its own run.dir from `run_dirs`."""
+    import torch.distributed as dist
+
+    from meshlm.errors import ConfigError
+    from meshlm.train.rank0_node import meet_rank0
+
+    rank = dist.get_rank()
+    os.environ.update(GROUP_WORLD_SIZE="2", LOCAL_RANK="0", MESHLM_NODE_RANK=str(7 + rank),
+                      MESHLM_LAUNCH_ID=f"launch{rank}")
+    cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dirs[rank])), checkpoint=SimpleNamespace(interval=interval))
+    try:
+        meet_rank0(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_dir(tmp_path):
+    from meshlm.testing import run_ranks
+    from meshlm.train.rank0_node import rank0_elsewhere
+
+    apart = [tmp_path / "a", tmp_path / "b"]
+    for d in apart:
+        d.mkdir()
+    assert run_ranks(_meet_rank0, 2, apart, 0) == [None, None]  # no checkpoints: separate run.dirs do
+    assert rank0_elsewhere(apart[0], "launch0") is None  # the launcher of rank 0
+    assert rank0_elsewhere(apart[1], "launch1")["node_rank"] == 7  # the other: where rank 0 ran
+    assert rank0_elsewhere(apart[1], "launch1")["run_dir"] == str(apart[0].resolve())
+    errors = run_ranks(_meet_rank0, 2, apart, 100)  # a checkpoint would be split across the nodes
+    assert errors[0] == errors[1] and errors[0].startswith("checkpoint.interval: rank 1 ") and "\n" not in errors[0]
+    assert run_ranks(_meet_rank0, 2, [tmp_path / "a"] * 2, 100) == [None, None]  # one shared run.dir
+    assert [p.name for p in tmp_path.glob("*/.rank0-probe-*")] == []  # the probes are gone
+    assert json.loads((tmp_path / "a" / "rank0.json").read_text())["launch"] == "launch0"
 
 
 def test_generate_continues_the_prompt(single_cli_run):
     run_dir, _ = single_cli_run
-    out = run_meshlm("generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "12").stdout
+    out = run_meshlm("generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "12",
+                     in_process=True).stdout
     assert out.startswith("The ") and len(out) > len("The ") + 5
     greedy = [run_meshlm("generate", "--checkpoint", str(run_dir / "final"), "--prompt", "The ", "--max-new-tokens",
-                     "8", "--temperature", "0").stdout for _ in range(2)]
+                         "8", "--temperature", "0", in_process=True).stdout for _ in range(2)]
     assert greedy[0] == greedy[1]

@@ -147,14 +147,16 @@ def test_export_of_a_final_directory(corpus, saved, tmp_path):
 
 
 def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
-    """The CLI end to end: `meshlm export` of a ZeRO-3 run, and `meshlm generate --temperature 0`
-    reading that run's sharded checkpoint directly."""
+    """The CLI end to end, in this process (the commands' code without an interpreter start each;
+    meshlm_fails below runs `meshlm export` in a real one): `meshlm export` of a ZeRO-3 run, and
+    `meshlm generate --temperature 0` reading that run's sharded checkpoint directly."""
     _, checkpoint, _ = saved("dp2-zero3")
-    proc = run_meshlm("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf"), "--json")
+    proc = run_meshlm("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf"), "--json",
+                      in_process=True)
     assert json.loads(proc.stdout)["step"] == 1
     n_new = 30
     ours = run_meshlm("generate", "--checkpoint", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0",
-                      "--max-new-tokens", str(n_new)).stdout[:-1]  # print's newline
+                      "--max-new-tokens", str(n_new), in_process=True).stdout[:-1]  # print's newline
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     hf.generation_config.eos_token_id = None  # meshlm's sampler does not stop at end-of-text
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -162,8 +164,7 @@ def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
     out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n_new)
     assert out.shape[1] == prompt.shape[1] + n_new
     assert tok.decode(out[0]) == ours
-    # and back: `meshlm import` of the export generates the same text (in process: the CLI path
-    # through a subprocess is shown above, and each launch costs seconds)
+    # and back: `meshlm import` of the export generates the same text
     assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     capsys.readouterr()
     assert meshlm_main(["generate", "--checkpoint", str(tmp_path / "back"), "--prompt", "ROMEO:", "--temperature", "0",
@@ -261,7 +262,7 @@ def test_training_from_an_export_equals_training_from_its_checkpoint(corpus, sav
     assert losses(tmp_path / "hf", tmp_path / "b") == from_checkpoint
     run_dir = tmp_path / "cli"
     proc = run_meshlm("train", "model.preset=debug", f"model.init_from={tmp_path / 'hf'}",
-                      *small_args(corpus, run_dir), "train.steps=2", "run.sample_tokens=0")
+                      *small_args(corpus, run_dir), "train.steps=2", "run.sample_tokens=0", in_process=True)
     assert f"initialised from {tmp_path / 'hf'}" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] == pytest.approx(from_checkpoint[0], abs=1e-6)

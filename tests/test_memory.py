@@ -110,6 +110,43 @@ if __name__ == "__main__":  # the table in docs/memory.md
 # --------------------------------------------------------------------------- the command
 
 
+# The shape of issue 15, where model state dominates: 2.1M parameters, 32 tokens per rank.
+MODEL_STATE_BOUND = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
+                     "model.vocab_size=1024", "train.micro_batch_size=1", "train.global_batch_size=2")
+
+
+def test_every_zero_stage_lowers_the_peak_by_what_the_formulas_predict(tmp_path):
+    from meshlm.parallel.zero import stage2_bucket_bytes
+
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    configs = [(f"parallel.zero={z}", *MODEL_STATE_BOUND) for z in range(4)]
+    per_rank = run_ranks(_measure, 2, 2, configs, corpus, tmp_path / "run", timeout=300)
+    measured = [max(rank[i][1] for rank in per_rank) for i in range(4)]
+    expected = [predict(small_cfg(corpus, tmp_path, 2, *c), backend="gloo").peak_bytes for c in configs]
+    assert all(abs(e / m - 1) <= TOLERANCE for e, m in zip(expected, measured)), (measured, expected)
+    assert measured[0] > measured[1] > measured[2] > measured[3], measured
+    # Stage 2 drops the replicated gradients (4N bytes, keeping the 4N/2 shard): no full-size gradient
+    # buffer lives beyond the buckets in flight (parallel/zero.py: at most two of them, with gloo's copy).
+    n = sum(rank_parameters(small_cfg(corpus, tmp_path, 2, *configs[2]), 0).values())
+    staging = 3 * stage2_bucket_bytes(4 * n)
+    assert measured[1] - measured[2] >= 4 * n / 2 - staging, (measured, n)
+
+
+def test_cpu_peak_is_measured_on_the_first_steps_and_every_interval_and_carried_between():
+    import torch
+
+    from meshlm.train.memtrack import PeakMemory
+
+    meter = PeakMemory(torch.device("cpu"), interval=3)
+    seen = []
+    for step in range(1, 8):
+        with meter.step((), step):
+            torch.ones(1000 * step)  # 4000 * step bytes: a different peak each step
+        seen.append((meter.measured, meter.last_peak))
+    assert seen == [(True, 4000), (True, 8000), (True, 12000), (False, 12000), (False, 12000), (True, 24000),
+                    (False, 24000)]
+
+
 def _memory_json(capsys, *args: str) -> dict:
     import json
 

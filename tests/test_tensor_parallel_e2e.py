@@ -3,28 +3,19 @@ follows the single-process loss curve, and its gathered final weights are the si
 model's shapes, so `meshlm generate` reads them."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
-
-def meshlm(*args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
+from helpers import run_meshlm
 
 
-def train(corpus, run_dir, *extra):
+def train(corpus, run_dir, *extra, in_process=False):
     # vocab 509: not divisible by tp, so the padded vocabulary is exercised end to end.
-    return meshlm("train", *extra, "model.preset=debug", "model.vocab_size=509", "model.tie_embeddings=true",
-                  f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}", "train.seq_len=32",
-                  "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4", "train.lr=1e-3",
-                  "train.eval_interval=2", "run.sample_tokens=0", f"run.dir={run_dir}")
+    return run_meshlm("train", *extra, "model.preset=debug", "model.vocab_size=509", "model.tie_embeddings=true",
+                      f"data.path={corpus / 'topics.txt'}", f"data.cache_dir={corpus / 'cache'}", "train.seq_len=32",
+                      "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4", "train.lr=1e-3",
+                      "train.eval_interval=2", "run.sample_tokens=0", f"run.dir={run_dir}", in_process=in_process)
 
 
 def losses(run_dir):
@@ -35,7 +26,7 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def single_run(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp-single")
-    train(corpus, run_dir)
+    train(corpus, run_dir, in_process=True)  # one rank: the launcher's own process, no torchrun
     return run_dir
 
 
@@ -53,5 +44,6 @@ def test_tensor_parallel_run_follows_the_single_process_loss_curve(corpus, singl
     assert {k: v.shape for k, v in parallel.items()} == {k: v.shape for k, v in single.items()}
     assert max((parallel[k] - single[k]).abs().max().item() for k in single) <= 1e-4
     if sp == "true":  # the gathered weights are a plain model: generate reads them
-        out = meshlm("generate", "--checkpoint", str(tmp_path), "--prompt", "The ", "--max-new-tokens", "8").stdout
+        out = run_meshlm("generate", "--checkpoint", str(tmp_path), "--prompt", "The ", "--max-new-tokens", "8",
+                         in_process=True).stdout
         assert out.startswith("The ")

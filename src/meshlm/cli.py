@@ -30,7 +30,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--config", help="a TOML config file (see configs/)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per node, started through torchrun")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node: also --rdzv-endpoint)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index in 0..nnodes-1")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's number in 0..nnodes-1, for meshlm's messages (the rendezvous decides which "
+                        "node runs global rank 0)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (node 0) for multi-node runs")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts the ranks this many times after a failure; each restart resumes "
@@ -71,6 +73,7 @@ def cmd_train(args) -> int:
           + (f", resuming from {resume_from}" if resume_from else ""), flush=True)
     t0 = time.perf_counter()
     interrupted = False  # Ctrl-C reached the launcher, which sent the ranks SIGTERM (launch.py)
+    elsewhere = None  # where global rank 0 ran, when not among this launcher's ranks (train/rank0_node.py)
     if world_size == 1 and args.max_restarts == 0:
         from meshlm.train.worker import train_rank
 
@@ -88,12 +91,16 @@ def cmd_train(args) -> int:
 
         (run_dir / "preempted.json").unlink(missing_ok=True)  # only this run's ranks may leave one
         clear_dumps(run_dir)  # the debug dumps of this run only (meshlm debug analyze)
+        from meshlm.train.rank0_node import rank0_elsewhere, tag_launch
+
+        launch_id = tag_launch(args.node_rank, run_dir)
         code = launch(args.nproc, "meshlm.train.worker", ["--config", str(run_dir / "config.toml")],
-                      nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                      nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       max_restarts=args.max_restarts, explain=lambda: _failure_line(run_dir))
         if code and not (run_dir / "preempted.json").exists():
             return code
         interrupted = code == 130
+        elsewhere = rank0_elsewhere(run_dir, launch_id) if args.nnodes > 1 else None
     preempted = _read_preempted(run_dir)
     if preempted:
         if interrupted:
@@ -101,8 +108,13 @@ def cmd_train(args) -> int:
         print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
               f"{preempted['checkpoint']}; run the same command again to continue")
         return 0
+    if elsewhere is not None:  # rank 0's metrics, final/ and so the sample are on another node
+        from meshlm.train.rank0_node import elsewhere_line
+
+        print(f"meshlm: this node's ranks finished in {time.perf_counter() - t0:.0f} s; {elsewhere_line(elsewhere)}")
+        return 0
     print(f"meshlm: trained in {time.perf_counter() - t0:.0f} s; metrics in {run_dir / 'metrics.jsonl'}")
-    if cfg.run.sample_tokens and args.node_rank == 0:
+    if cfg.run.sample_tokens:
         _print_sample(run_dir, cfg.run.sample_prompt, cfg.run.sample_tokens)
     return 0
 

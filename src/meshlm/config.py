@@ -68,8 +68,10 @@ class TrainConfig:
     log_interval: int = 10
     # Peak dense TFLOP/s of one device for MFU; None = look the device up in a table.
     peak_tflops: float | None = None
-    # Count live tensor bytes on CPU (a dispatch-mode tracker; costs some step time).
+    # Measure each rank's peak memory (CPU: a dispatch-mode tracker counting live tensor bytes, on
+    # steps 1, 2 and every memory_interval-th step, as it costs step time; CUDA: every step, free).
     track_memory: bool = True
+    memory_interval: int = 50
     # CPU runs: glibc malloc keeps freed memory for the next step (train/host_memory.py).
     keep_host_memory: bool = True
     # A non-finite loss or gradient norm: never applied; stop = exit 1 with a report, skip = drop

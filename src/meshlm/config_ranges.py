@@ -92,6 +92,7 @@ RANGES: dict[str, Range] = {
     "train.eval_interval": _at_least(0, "0 disables"),
     "train.peak_tflops": _above(0),
     "train.track_memory": ANY,
+    "train.memory_interval": POSITIVE_INT,
     "train.keep_host_memory": ANY,
     "train.on_nonfinite": Range(choices=("stop", "skip")),
     "parallel.dp": _at_least(0, "0 = world size / (tp*cp*pp)"),

@@ -13,7 +13,7 @@ import signal
 import sys
 
 
-def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int = 1, node_rank: int = 0,
+def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int = 1,
                   rdzv_endpoint: str | None = None, rdzv_id: str = "meshlm", max_restarts: int = 0) -> list[str]:
     """The torchrun command line: standalone on one node, c10d rendezvous across nodes."""
     if nnodes == 1 and not rdzv_endpoint:
@@ -21,8 +21,10 @@ def torchrun_args(nproc: int, module: str, module_args: list[str], nnodes: int =
     else:
         if not rdzv_endpoint:
             raise ValueError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
-        head = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+        # No --node-rank: c10d ignores it (with a warning); the rendezvous orders the nodes, so
+        # global rank 0 may run on any node (train/rank0_node.py); meshlm's --node-rank only names it.
+        head = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                "--rdzv-id", rdzv_id]
     # SIGINT is not the agent's: see `launch`.
     return [*head, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT", "--module", module, *module_args]

@@ -219,6 +219,7 @@ class _State:
 
 def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
+    from meshlm.parallel.zero import stage2_bucket_bytes
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = sum(counts.values())
@@ -239,8 +240,12 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
             wide = 4 * bucket if bf16 else 0  # the bucket's fp32 copy for the reduction
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
                           reduction=wide + copies * bucket, step=shard_step)
-        return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, weight_grad=item * head,
-                      reduction=(4 + copies) * bucket, step=shard_step, grads_early=False)
+        # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and gloo's copy of the
+        # one in flight; the gradient shard exists from the first bucket's reduction on (early).
+        bucket = min(stage2_bucket_bytes(item * n) // item, n)
+        return _State(item * n, item * n / d, 8 * n / d, master, staging=(4 + copies) * bucket,
+                      weight_grad=item * head,
+                      reduction=(4 + copies) * bucket, step=shard_step)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]

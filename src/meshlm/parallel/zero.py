@@ -16,7 +16,10 @@ works on the overlaps (`SegmentAdamW`).
   autograd produces them (the per-parameter gradient is dropped at once), the full bucket is
   reduce-scattered and everything but this rank's slice freed. Every micro-batch's backward is
   reduced this way (`no_sync()` has no effect): holding unsharded gradients across micro-batches
-  would cost the full gradient memory that stage 2 exists to remove.
+  would cost the full gradient memory that stage 2 exists to remove. For the same reason the
+  buckets are at most 1/8 of the model (a model smaller than one DDP bucket would otherwise stage
+  all of its gradients at once) and at most one reduction is left in flight when the next bucket
+  is launched: at most about two buckets of full gradients live at any moment.
 - After AdamW on the slices, each bucket's parameters are all-gathered in place.
 """
 
@@ -36,6 +39,15 @@ from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision,
 
 _engine = torch.autograd.Variable._execution_engine
 
+STAGE2_BUCKETS = 8  # stage 2 cuts the model into at least this many buckets
+STAGE2_IN_FLIGHT = 1  # reductions stage 2 lets run at once (the next waits for the previous)
+
+
+def stage2_bucket_bytes(trainable_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Stage 2's bucket cap: small enough that the staged full gradients stay a fraction of the
+    model's (the memory model uses the same rule)."""
+    return min(bucket_bytes, max(1, -(-trainable_bytes // STAGE2_BUCKETS)))
+
 
 class ZeroDataParallel(DDP):
     """ZeRO stage 1 or 2 on meshlm's bucketed reducer. Same interface as DDP."""
@@ -47,6 +59,10 @@ class ZeroDataParallel(DDP):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage} (3 is FullyShardedDataParallel)")
         self.stage = stage
+        if stage == 2:
+            item = torch.empty((), dtype=precision.param_dtype).element_size()
+            bucket_bytes = stage2_bucket_bytes(item * sum(p.numel() for p in module.parameters() if p.requires_grad),
+                                               bucket_bytes)
         super().__init__(module, comm, train_cfg, axes=axes, bucket_bytes=bucket_bytes, precision=precision)
 
     # ------------------------------------------------------------------ buffers
@@ -154,6 +170,10 @@ class ZeroDataParallel(DDP):
         if staging is None:  # a bucket whose parameters all went unused: reduce zeros
             staging = self._staging[index] = torch.zeros(b.numel, dtype=self.precision.reduce_dtype,
                                                          device=self.device)
+        while len(self._pending) >= STAGE2_IN_FLIGHT:  # free the older buckets' staging now, not at the end
+            done_handle, done = self._pending.pop(0)
+            done_handle.wait()
+            done()
         out = staging[lo - b.start: hi - b.start]
         handle = self.comm.reduce_scatter(out, staging, self.axes, async_op=True)
         self._pending.append((handle, lambda index=index, out=out: self._accumulate(index, out)))

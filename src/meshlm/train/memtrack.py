@@ -2,8 +2,12 @@
 CPU a count of live tensor bytes (peak RSS is useless here: the allocator keeps freed pages).
 
 On CPU every aten op passes through a TorchDispatchMode that notes each new storage and a weak
-reference that subtracts its bytes when the storage dies. That costs Python time per op, so it
-can be switched off (`train.track_memory=false`); on CUDA it is never used.
+reference that subtracts its bytes when the storage dies. That costs Python time per op (up to
+half the step under ZeRO-3, whose resized storages must be re-summed), so on CPU the peak is
+measured on steps 1 and 2 and every `train.memory_interval`-th step, exact on those, and the
+other steps report the last measured value (`mem_measured` says which); `memory_interval=1`
+measures every step, `train.track_memory=false` none. On CUDA the allocator's statistics cost
+nothing and every step is measured.
 """
 
 from __future__ import annotations
@@ -118,13 +122,21 @@ class PeakMemory:
     Usage: `with meter.step(state_tensors): ...` then read `meter.last_peak` (None if disabled).
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True, track_resizes: bool = False) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, track_resizes: bool = False,
+                 interval: int = 1) -> None:
         self.device = device
         self.enabled = enabled
+        self.interval = interval  # CPU: measure steps 1, 2 and every interval-th (see the module docstring)
         self.last_peak: int | None = None
+        self.measured = False  # whether the last step was measured (else last_peak is an earlier step's)
         self._cpu_tracker = LiveTensorBytes(track_resizes) if enabled and device.type == "cpu" else None
 
-    def step(self, state_tensors: Iterable[torch.Tensor] = ()):
+    def measures(self, step: int) -> bool:
+        return self.enabled and (self.device.type == "cuda" or step <= 2 or step % self.interval == 0)
+
+    def step(self, state_tensors: Iterable[torch.Tensor] = (), step: int = 1):
+        """The scope of training step `step` (1-based): measured or not, by `measures(step)`."""
+        self.measured = self.measures(step)
         return _StepScope(self, state_tensors)
 
 
@@ -135,7 +147,7 @@ class _StepScope:
 
     def __enter__(self):
         m = self.meter
-        if not m.enabled:
+        if not m.measured:
             return self
         if m.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.device)
@@ -147,7 +159,7 @@ class _StepScope:
 
     def __exit__(self, *exc):
         m = self.meter
-        if not m.enabled:
+        if not m.measured:
             return False
         if m.device.type == "cuda":
             m.last_peak = int(torch.cuda.max_memory_allocated(m.device))

@@ -76,7 +76,8 @@ class Trainer:
         self.eval_set = [self._shard(batch) for batch in
                          eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)]
         # FSDP frees gathered parameters by resizing storages in place: the tracker must follow that.
-        self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3)
+        self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3,
+                                 interval=t.memory_interval)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops = t.peak_tflops or device_peak_tflops(self.device, t.dtype)
         self.step = 0
@@ -182,7 +183,7 @@ class Trainer:
         self.comm.recorder.fingerprint = 0
         self.progress.at("batch")  # counting the step's target tokens: its first collective
         self.faults.before_step(self.step + 1)
-        with self.memory.step(self.dp.state_tensors()):
+        with self.memory.step(self.dp.state_tensors(), self.step + 1):
             loss_sum, global_tokens = self.forward_backward()
             grad_norm, nonfinite = self.optimizer_step(loss_sum)
         self.progress.at("end of step")  # the loss and the small all-gather below
@@ -250,7 +251,8 @@ class Trainer:
                 "tokens": tokens, "target_tokens": result.target_tokens, "tokens_per_s": tokens_per_s,
                 "step_time_s": result.step_time_s, "tflops": tflops,
                 "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, n_devices),
-                "mem_peak_bytes": result.mem_peak_bytes, **(result.ranks or {}),
+                "mem_peak_bytes": result.mem_peak_bytes, "mem_measured": self.memory.measured,
+                **(result.ranks or {}),
             }
             if result.nonfinite:  # train.on_nonfinite=skip: this step changed nothing
                 row["nonfinite_skipped"] = self.nonfinite_skipped

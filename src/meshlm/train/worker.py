@@ -20,6 +20,7 @@ from meshlm.mesh import ParallelContext, default_backend, default_device
 from meshlm.train.data import prepare_data
 from meshlm.train.host_memory import keep_freed_host_memory
 from meshlm.train.metrics import format_bytes
+from meshlm.train.rank0_node import meet_rank0
 from meshlm.train.trainer import Trainer
 from meshlm.train.weights import save_final
 
@@ -63,6 +64,13 @@ def _log_predicted_memory(trainer: Trainer) -> int | None:
     worst = max(report.ranks, key=lambda r: r.peak_bytes)
     trainer.metrics.print(f"memory: predicted peak {format_bytes(report.peak_bytes)} per rank ({worst.role}, "
                           f"at the {worst.phase}; meshlm memory shows the breakdown)")
+    if trainer.device.type == "cuda":
+        from meshlm.debug.oom import device_capacity
+
+        capacity = device_capacity(trainer.device)
+        if report.peak_bytes > capacity:
+            trainer.metrics.print(f"warning: the predicted peak exceeds this GPU's {format_bytes(capacity)}: expect "
+                                  f"an out-of-memory error; `meshlm plan` finds layouts that fit")
     return report.peak_bytes
 
 
@@ -147,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
     init_process_group(backend, backend_timeout(cfg.debug))
     try:
+        meet_rank0(cfg)  # several nodes: note where global rank 0 runs, for the launchers
         with RankGuard(cfg, dist.get_rank(), world_size) as guard:  # a failure: dump, report, exit 1
             train_rank(cfg, guard)
             # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
             # in gloo's destructor ("terminate called without an active exception", seen once in CI).
             dist.barrier()
     except (RunError, ConfigError) as e:  # e.g. a bad checkpoint: one line, not a traceback per rank
-        if dist.get_rank() == 0:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node: each launcher shows why
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
         return 1
     except RankFailed:  # reported by the guard; the others learn it from their peer's exit
