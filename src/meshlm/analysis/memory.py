@@ -209,6 +209,7 @@ class _State:
     gathered_loss: float = 0  # ... at the loss's backward
     gathered_backward: float = 0  # ... during a block's backward (with the prefetched one)
     staging: float = 0  # ZeRO-2: the bucket being filled, alive through backward
+    in_flight: float = 0  # ZeRO-2: the bucket being reduced, with gloo's copy (from the blocks' backward on)
     weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
     reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
     step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
@@ -240,10 +241,10 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
             wide = 4 * bucket if bf16 else 0  # the bucket's fp32 copy for the reduction
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
                           reduction=wide + copies * bucket, step=shard_step)
-        # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and gloo's copy of the
-        # one in flight; the gradient shard exists from the first bucket's reduction on (early).
+        # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
+        # reduced with gloo's copy of it; the gradient shard exists from the first reduction on.
         bucket = min(stage2_bucket_bytes(item * n) // item, n)
-        return _State(item * n, item * n / d, 8 * n / d, master, staging=(4 + copies) * bucket,
+        return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, in_flight=(4 + copies) * bucket,
                       weight_grad=item * head,
                       reduction=(4 + copies) * bucket, step=shard_step)
     unit = layer_parameters(m, p.tp)
@@ -318,7 +319,7 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
             live -= vocab
         deferred = _deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
         point("block backward", live, grads or s.grads_early,
-              s.gathered_backward + s.staging + rebuilt + incoming + deferred)
+              s.gathered_backward + s.staging + s.in_flight + rebuilt + incoming + deferred)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
