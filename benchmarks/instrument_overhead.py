@@ -2,6 +2,7 @@
 tracker off, and with it on every step (the precise mode), round-robin in one job.
 
 usage: PYTHONPATH=src .venv/bin/python benchmarks/instrument_overhead.py [STEPS] [ROUNDS]
+(STEPS x ROUNDS steps per side, the three sides taking turns step by step)
 Layouts: dp=2 with zero 0-3, tp=2, pp=2 (2 forked gloo ranks pinned to a core each), the shape of
 issue 15 (dim 256, 4 layers, vocab 1024, seq 128, micro-batch 4, global batch 8, fp32).
 Per layout it prints the median step time of each side and:
@@ -48,12 +49,11 @@ def rank_fn(layout: list[str], steps: int, rounds: int, corpus: str, run_dir: st
         for _ in range(2):  # steps 1 and 2 are measured by every side: warm up past them
             trainer.train_step()
         trainers[side] = trainer
-    for _ in range(rounds):
+    for _ in range(rounds * steps):  # the sides alternate step by step: a load change hits all of them
         for side, trainer in trainers.items():
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                trainer.train_step()
-                times[side].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            trainer.train_step()
+            times[side].append(time.perf_counter() - t0)
     return times
 
 
@@ -72,8 +72,10 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         times = run_ranks(rank_fn, 2, layout, steps, rounds, str(corpus), str(root / name), timeout=900)[0]
         med = {side: statistics.median(t) for side, t in times.items()}
-        per_step = med["default"] / med["off"] - 1
-        sampled = (med["every"] / med["off"] - 1) / TrainConfig().memory_interval
+        # medians of the paired ratios (the same round), not ratios of medians
+        per_step = statistics.median(d / o for d, o in zip(times["default"], times["off"])) - 1
+        every = statistics.median(e / o for e, o in zip(times["every"], times["off"])) - 1
+        sampled = every / TrainConfig().memory_interval
         print(f"{name:<10} {med['default'] * 1e3:>11.1f} {med['off'] * 1e3:>8.1f} {med['every'] * 1e3:>9.1f} "
               f"{per_step:>+9.1%} {sampled:>+8.1%} {per_step + sampled:>+17.1%}")
 

@@ -174,7 +174,7 @@ def _invalid_values(key: str) -> list[str]:
     values outside each bound, 0 and -1 where those are outside too, nan/inf for numbers, a word
     outside the choices, blanks where it must be non-empty, and a value of the wrong type."""
     typ, allowed = _declared_keys()[key], RANGES[key]
-    wrong_type = {int: ["abc", "1.5"], float: ["abc"], bool: ["yes", "1"], str: ["3"]}[typ]
+    wrong_type = {int: ["abc", "1.5"], float: ["abc"], bool: ["yes", "1"], str: ["3"], list: ["3"]}[typ]
     values = []
     if typ in (int, float):
         step = 1 if typ is int else 1e-3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -136,20 +137,31 @@ def test_cache_key_follows_content_not_timestamps(tmp_path):
     assert other_vocab.cache_dir != changed.cache_dir
 
 
-def test_a_concurrent_builder_that_wins_the_race_is_used(tmp_path, monkeypatch):
+def test_a_second_builder_waits_for_the_first_and_uses_its_cache(tmp_path, monkeypatch):
+    import threading
+
+    from meshlm.data import prepare as prepare_module
+
     write_corpus(tmp_path / "corpus")
-    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
-    real_build = data_module._build_cache
+    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"), workers=1)
+    real_build_in, builds, first_started = prepare_module._build_in, [], threading.Event()
 
-    def build_while_another_process_finishes_first(out, *args):
-        monkeypatch.setattr(data_module, "_build_cache", real_build)
-        prepare_data(cfg, 300, log=lambda m: None)  # "the other rank" renames its copy into place
-        real_build(out, *args)
+    def slow_build_in(building, plan, log):
+        builds.append(building)
+        first_started.set()
+        time.sleep(0.5)  # the second caller reaches the lock meanwhile
+        real_build_in(building, plan, log)
 
-    monkeypatch.setattr(data_module, "_build_cache", build_while_another_process_finishes_first)
-    prepared = prepare_data(cfg, 300, log=lambda m: None)
-    assert (prepared.cache_dir / "meta.json").is_file()
-    assert sorted(p.name for p in prepared.cache_dir.parent.iterdir()) == sorted(["digests", prepared.cache_dir.name])
+    monkeypatch.setattr(prepare_module, "_build_in", slow_build_in)
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", prepare_data(cfg, 300, log=lambda m: None)))
+    first.start()
+    first_started.wait(10)
+    second = prepare_data(cfg, 300, log=lambda m: None)  # blocks on the lock, then finds the cache
+    first.join()
+    assert len(builds) == 1 and second.cache_dir == results["first"].cache_dir
+    assert np.array_equal(second.train_tokens(), results["first"].train_tokens())
+    assert sorted(p.name for p in second.cache_dir.parent.iterdir()) == sorted(["digests", second.cache_dir.name])
 
 
 def test_bad_data_paths_are_config_errors(tmp_path):

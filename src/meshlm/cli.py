@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 from meshlm.config import ConfigError, RunError, load_config, resolve, to_toml
+from meshlm.debug.commands import cmd_debug, cmd_doctor, debug_parser, doctor_parser
+from meshlm.errors import usage_error
 
 
 def _fail_usage(message: str) -> int:
-    print(f"meshlm: error: {message}", file=sys.stderr)
-    return 2
+    return usage_error(message)
 
 
 # --------------------------------------------------------------------------- train
@@ -230,7 +231,8 @@ def cmd_import(args) -> int:
 # --------------------------------------------------------------------------- bench
 
 
-BENCHES = {"comm": "meshlm.comm.bench", "dp": "meshlm.bench.dp", "tp": "meshlm.bench.tp", "pp": "meshlm.bench.pp", "cp": "meshlm.bench.cp"}
+BENCHES = {"comm": "meshlm.comm.bench", "dp": "meshlm.bench.dp", "tp": "meshlm.bench.tp", "pp": "meshlm.bench.pp", "cp": "meshlm.bench.cp",
+           "data": "meshlm.bench.data"}
 
 
 def _bench_parser(sub) -> None:
@@ -313,55 +315,25 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
-# --------------------------------------------------------------------------- doctor
+# --------------------------------------------------------------------------- data
 
 
-def _doctor_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="check this machine before a run: versions, GPUs, limits, a local collective",
-                       description="One line per check, ok or what to do; exit 1 if one fails. "
-                                   "See docs/debugging.md.")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks per node you mean to train with (default: the GPUs on CUDA, else 2)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="as parallel.backend: auto = nccl with CUDA and NCCL, else gloo")
-    p.add_argument("--port", type=int, default=None,
-                   help="the rendezvous port to check (default: $MASTER_PORT or 29500)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def cmd_doctor(args) -> int:
-    from meshlm.debug.doctor import run
-
-    return run(args)
-
-
-# --------------------------------------------------------------------------- debug
-
-
-def _debug_parser(sub) -> None:
-    p = sub.add_parser("debug", help="explain a failed run: hang, desync, OOM, non-finite step",
-                       description="See docs/debugging.md.")
+def _data_parser(sub) -> None:
+    p = sub.add_parser("data", help="prepare or inspect the token cache of a config (no training)",
+                       description="See docs/data.md.")
     actions = p.add_subparsers(dest="action", required=True)
-    a = actions.add_parser("analyze", help="one line on what went wrong, from the ranks' dumps in RUN_DIR/debug")
-    a.add_argument("run_dir", metavar="RUN_DIR")
-    a.add_argument("--json", action="store_true", help="print one JSON object (verdict, ranks, group, seq, op, ...)")
+    for name, text in (("prepare", "tokenize the corpus of a config into its cache (once, before a job)"),
+                       ("inspect", "documents, tokens, bytes/token, longest documents, epochs per corpus")):
+        a = actions.add_parser(name, help=text, description=text)
+        a.add_argument("--config", help="a TOML config file (see configs/)")
+        a.add_argument("--json", action="store_true", help="print one JSON object")
+        a.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.path=corpus/ data.workers=8")
 
 
-def cmd_debug(args) -> int:
-    import json
+def cmd_data(args) -> int:
+    from meshlm.data.inspect import run_inspect, run_prepare
 
-    from meshlm.debug.analyze import analyze
-
-    if not Path(args.run_dir).is_dir():
-        return _fail_usage(f"RUN_DIR: {args.run_dir} is not a directory")
-    result = analyze(args.run_dir)
-    if result["verdict"] == "none":
-        return _fail_usage(f"RUN_DIR: {result['line']}")
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print("\n".join([result["line"], *(f"  {line}" for line in result["details"])]))
-    return 0
+    return run_prepare(args) if args.action == "prepare" else run_inspect(args)
 
 
 # --------------------------------------------------------------------------- main
@@ -378,12 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     _simulate_parser(sub)
     _plan_parser(sub)
     _memory_parser(sub)
-    _doctor_parser(sub)
-    _debug_parser(sub)
+    doctor_parser(sub)
+    debug_parser(sub)
+    _data_parser(sub)
     args = parser.parse_args(argv)
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
                 "simulate": cmd_simulate, "plan": cmd_plan, "memory": cmd_memory,
-                "doctor": cmd_doctor, "debug": cmd_debug}
+                "doctor": cmd_doctor, "debug": cmd_debug, "data": cmd_data}
     try:
         return commands[args.command](args)
     except ConfigError as e:

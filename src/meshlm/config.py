@@ -71,7 +71,7 @@ class TrainConfig:
     # Measure each rank's peak memory (CPU: a dispatch-mode tracker counting live tensor bytes, on
     # steps 1, 2 and every memory_interval-th step, as it costs step time; CUDA: every step, free).
     track_memory: bool = True
-    memory_interval: int = 50
+    memory_interval: int = 100
     # CPU runs: glibc malloc keeps freed memory for the next step (train/host_memory.py).
     keep_host_memory: bool = True
     # A non-finite loss or gradient norm: never applied; stop = exit 1 with a report, skip = drop
@@ -109,6 +109,13 @@ class DataConfig:
     cache_dir: str | None = None  # None = $MESHLM_CACHE or ~/.cache/meshlm
     # A pretrained tokenizer (tokenizer.json, or a directory holding one) instead of training a BPE.
     tokenizer: str | None = None
+    text_field: str = "text"  # the JSONL field / Parquet column that holds a document's text
+    workers: int = 0  # tokenizing processes; 0 = the cores this process may run on
+    # meshlm's own BPE is trained on at most this many bytes of training text, spread evenly over
+    # the corpus (as SentencePiece samples sentences): bounded time and memory for any corpus.
+    tokenizer_sample_bytes: int = 64_000_000
+    # [[weight, path], ...]: several corpora mixed by weight (data/blend.py); replaces data.path.
+    blend: list | None = None
 
 
 @dataclass
@@ -173,7 +180,7 @@ def _field_types(section_cls) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check `value` against a field annotation (int, float, bool, str, or X | None)."""
+    """Check `value` against a field annotation (int, float, bool, str, list, or X | None)."""
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None and type(None) in allowed:
         return None
@@ -188,9 +195,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return float(value)
         if typ is str and isinstance(value, str):
             return value
+        if typ is list and isinstance(value, list):  # its shape is checked in validate()
+            return value
         if typ is str and isinstance(value, float) and not math.isfinite(value):
             return str(value)  # `debug.fault=nan`: TOML reads the bare word as a float
-    names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(t, "none")
+    names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string", list: "a list"}.get(t, "none")
                         for t in allowed if t is not type(None))
     raise ConfigError(f"{key}: expected {names}, got {value!r}")
 
@@ -253,6 +262,10 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
         _take_init_source(cfg)
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
+    if m.vocab_size is None and cfg.data.tokenizer is not None:  # the embedding follows a pretrained tokenizer
+        from meshlm.train.tokenizer import load_pretrained
+
+        m.vocab_size = load_pretrained(cfg.data.tokenizer).n_ids
     for name, value in PRESETS[m.preset].items():
         if getattr(m, name) is None:
             setattr(m, name, value)
@@ -337,6 +350,10 @@ def validate(cfg: Config, world_size: int) -> None:
 
     if d.path is not None:
         _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
+    if d.blend is not None:  # [[weight, path], ...]: the shape, positive weights, existing paths
+        from meshlm.data.blend import parse_blend
+
+        parse_blend(d.blend, d.path)
     if d.tokenizer is not None:  # a pretrained tokenizer: usable, and its ids fit the embedding
         from meshlm.train.tokenizer import load_pretrained
 
@@ -356,6 +373,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, list):  # data.blend: a TOML inline array
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

@@ -42,7 +42,7 @@ class Range:
         return "non-empty" if self.nonempty else "any"
 
     def accepts(self, value: Any) -> bool:
-        if value is None or isinstance(value, bool):
+        if value is None or isinstance(value, (bool, list)):  # a list (data.blend) is checked in validate()
             return True
         if isinstance(value, str):
             return (not self.choices or value in self.choices) and (not self.nonempty or bool(value.strip()))
@@ -108,6 +108,10 @@ RANGES: dict[str, Range] = {
     "data.val_fraction": Range(low=0, high=0.5, low_open=True, high_open=True),
     "data.cache_dir": ANY,
     "data.tokenizer": ANY,  # loaded (and its errors named) in validate()
+    "data.text_field": Range(nonempty=True),
+    "data.workers": _at_least(0, "0 = the cores"),
+    "data.tokenizer_sample_bytes": POSITIVE_INT,
+    "data.blend": ANY,  # [[weight, path], ...]: checked in validate() (data/blend.py)
     "checkpoint.interval": _at_least(0, "0 = only final/"),
     "checkpoint.keep": POSITIVE_INT,
     "checkpoint.resume": Range(nonempty=True, note="auto, never or a checkpoint directory"),

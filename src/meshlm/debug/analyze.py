@@ -160,6 +160,8 @@ def find_failure(dumps: dict[int, dict]) -> dict | None:
     kind = first["reason"]
     ranks = sorted(first.get("culprits") or [first["rank"]])
     report = first.get("report") or [first.get("error", {}).get("message", "")]
+    if kind == "error":  # the exception's own traceback: where the bug is
+        report = [report[0], *(line.rstrip() for line in (first.get("error") or {}).get("traceback", [])[-8:])]
     pending = _pending(dumps, first["rank"])
     return {"verdict": kind, "ranks": ranks, "group": pending[0]["axis"] if pending else None,
             "seq": pending[0]["seq"] if pending else None, "op": pending[0]["op"] if pending else None,

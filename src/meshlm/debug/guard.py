@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from meshlm.debug.dumps import write_dump
+from meshlm.debug.dumps import debug_dir, write_dump
 from meshlm.debug.fingerprint import DesyncError
 from meshlm.debug.nonfinite import NonFiniteError
 from meshlm.debug.oom import is_out_of_memory, oom_report
@@ -94,7 +94,8 @@ class RankGuard:
         if kind in ("nonfinite", "desync"):
             return [str(error)]
         last = str(error).strip().splitlines()[-1] if str(error).strip() else ""
-        return [f"rank {self.rank} failed at step {step} ({phase}): {type(error).__name__}: {last}"]
+        return [f"rank {self.rank} failed at step {step} ({phase}): {type(error).__name__}: {last}",
+                f"  traceback: {debug_dir(self.cfg.run.dir) / f'rank{self.rank}.json'} (meshlm debug analyze shows it)"]
 
 
 def _device_of(cfg):

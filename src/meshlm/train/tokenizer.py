@@ -143,26 +143,38 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-# A line start that follows a non-blank line ending in a non-space character, and starts with
-# one: the GPT-2 regex always splits the text there, so cutting a document at such points and
-# encoding the pieces gives exactly the ids of encoding it whole (a test checks this).
-_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+# Points where the GPT-2 regex always starts a pre-token, so cutting a document there and encoding
+# the pieces gives exactly the ids of encoding it whole (tests check this on real text):
+# - before a space that precedes a non-space: every alternative that can match there (` ?\p{L}+`,
+#   ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`) takes that space, and a whitespace run before it ends
+#   just before it (`\s+(?!\S)` backs off one character);
+# - at a line start after a line ending in a non-space character, before a non-space character.
+_SAFE_CUT = re.compile(r"(?= \S)|(?<=\S\n)(?=\S)")
 _PIECE_CHARS = 16384
+_FORCED_CUT_PIECES = 8  # no safe point for this many pieces: cut anyway, for bounded memory
 
 
 def split_for_encoding(text: str, piece_chars: int = _PIECE_CHARS) -> list[str]:
     """`text` cut at pre-token boundaries into pieces of about `piece_chars` characters.
 
     `tokenizers` parallelises a batch across texts but encodes one text on one core, so a few
-    long documents would leave cores idle; pieces of ~16 KB keep all of them busy.
+    long documents would leave cores idle; pieces of ~16 KB keep all of them busy. And its
+    objects take ~100 bytes per token: pieces bound that too. Text with no safe point for
+    `_FORCED_CUT_PIECES` pieces (minified code, one endless line) is cut after a newline, else
+    anywhere: only there can the ids differ from encoding the text whole.
     """
     pieces, start = [], 0
     while start + piece_chars < len(text):
-        cut = _SAFE_CUT.search(text, start + piece_chars)
-        if cut is None:
+        limit = start + _FORCED_CUT_PIECES * piece_chars
+        cut = _SAFE_CUT.search(text, start + piece_chars, limit)
+        if cut is not None:
+            end = cut.start()
+        elif limit >= len(text):
             break
-        pieces.append(text[start:cut.start()])
-        start = cut.start()
+        else:
+            end = text.rfind("\n", start + piece_chars, limit) + 1 or limit
+        pieces.append(text[start:end])
+        start = end
     pieces.append(text[start:])
     return pieces
 

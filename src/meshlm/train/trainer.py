@@ -31,7 +31,8 @@ from meshlm.debug.stragglers import StragglerDetector
 from meshlm.model.loss import IGNORE_INDEX, token_loss_sum  # noqa: F401 (IGNORE_INDEX: re-exported)
 from meshlm.parallel.apply import build_engine, build_local_model
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
-from meshlm.train.data import PreparedData, TokenLoader, eval_batches
+from meshlm.data.blend import eval_sets, make_loader
+from meshlm.train.data import PreparedData
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
 from meshlm.train.optim import lr_at
@@ -72,9 +73,11 @@ class Trainer:
 
             self.pipeline = PipelineRunner(self.model, cfg, self.comm)
         t = cfg.train
-        self.loader = TokenLoader(data.train_tokens(), t.seq_len, t.global_batch_size, cfg.run.seed)
-        self.eval_set = [self._shard(batch) for batch in
-                         eval_batches(data.val_tokens(), t.seq_len, t.micro_batch_size, t.eval_batches)]
+        self.loader = make_loader(data, t.seq_len, t.global_batch_size, cfg.run.seed)  # a blend's too
+        # Held-out batches per corpus (one, or each of a data.blend); eval_loss is over all of them.
+        self.eval_sets = {name: [self._shard(batch) for batch in batches] for name, batches in
+                          eval_sets(data, t.seq_len, t.micro_batch_size, t.eval_batches).items()}
+        self.eval_set = [batch for batches in self.eval_sets.values() for batch in batches]
         # FSDP frees gathered parameters by resizing storages in place: the tracker must follow that.
         self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3,
                                  interval=t.memory_interval)
@@ -214,14 +217,16 @@ class Trainer:
         return (None if peak is None else int(max(row[0] for row in every))), int(max(row[1] for row in every)), ranks
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss on the fixed held-out batches; each dp rank takes every dp-th batch."""
+    def evaluate(self, batches: list | None = None) -> float:
+        """Mean token loss on the fixed held-out batches (default: all corpora's); each dp rank
+        takes every dp-th batch."""
+        eval_set = self.eval_set if batches is None else batches
         if self.pipeline is not None:
-            return self.pipeline.evaluate(self.eval_set, self.loss_sum, self._autocast)
+            return self.pipeline.evaluate(eval_set, self.loss_sum, self._autocast)
         self.progress.at("eval")
         self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, (inputs, targets) in enumerate(self.eval_set):
+        for i, (inputs, targets) in enumerate(eval_set):
             if i % self.dp_size != self.ctx.coord("dp"):
                 continue
             with self._autocast():
@@ -262,6 +267,8 @@ class Trainer:
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row["eval_loss"] = self.evaluate()
+                if len(self.eval_sets) > 1:  # a blend: each corpus's held-out loss too
+                    row.update({f"eval_loss/{name}": self.evaluate(batches) for name, batches in self.eval_sets.items()})
             done = self.pending_save
             if done is not None and not done.reported and not done.thread.is_alive():
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished

@@ -1,0 +1,1 @@
+"""Data at scale: readers, streaming parallel tokenization into sharded caches, blends, inspection."""

