@@ -17,8 +17,7 @@ from meshlm.debug.commands import cmd_debug, cmd_doctor, debug_parser, doctor_pa
 from meshlm.errors import usage_error
 
 
-def _fail_usage(message: str) -> int:
-    return usage_error(message)
+_fail_usage = usage_error  # errors.py: one line, exit 2 (debug/commands.py uses it too)
 
 
 # --------------------------------------------------------------------------- train

@@ -90,8 +90,9 @@ def _entered(by_rank: dict[int, dict[int, dict]], rank: int) -> int:
     return max(by_rank.get(rank, {}), default=-1)
 
 
-def _pending(dumps: dict[int, dict], rank: int) -> list[dict]:
-    return [r for r in dumps.get(rank, {}).get("records", []) if r.get("t_end") is None]
+def _pending(dump: dict) -> list[dict]:
+    """The ops a rank had started and not finished when it dumped."""
+    return [r for r in dump.get("records", []) if r.get("t_end") is None]
 
 
 def _stuck_groups(dumps: dict[int, dict]) -> list[tuple]:
@@ -162,7 +163,7 @@ def find_failure(dumps: dict[int, dict]) -> dict | None:
     report = first.get("report") or [first.get("error", {}).get("message", "")]
     if kind == "error":  # the exception's own traceback: where the bug is
         report = [report[0], *(line.rstrip() for line in (first.get("error") or {}).get("traceback", [])[-8:])]
-    pending = _pending(dumps, first["rank"])
+    pending = _pending(first)
     return {"verdict": kind, "ranks": ranks, "group": pending[0]["axis"] if pending else None,
             "seq": pending[0]["seq"] if pending else None, "op": pending[0]["op"] if pending else None,
             "step": (first.get("step") or 0) + 1, "phase": first.get("phase"), "line": f"{kind}: {report[0]}",
@@ -198,7 +199,7 @@ def analyze(run_dir: Path | str) -> dict:
 
 
 def _rank_line(d: dict) -> str:
-    pending = [r for r in d.get("records", []) if r.get("t_end") is None]
+    pending = _pending(d)
     inside = (f"waiting in {pending[0]['op']} #{pending[0]['seq']} on {pending[0]['axis']}" if pending
               else "in no collective")
     return (f"rank {d['rank']} ({d.get('host')}, pid {d.get('pid')}): {d['reason']} at step {(d.get('step') or 0) + 1} "

@@ -24,7 +24,6 @@ buffer, each bucket upcast and all-reduced in fp32, an fp32 master copy for Adam
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterator
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 from meshlm.comm import Comm
 from meshlm.config import TrainConfig
 from meshlm.parallel.flat_buffer import FlatLayout, ReadyTracker, Segment, weak_hook
-from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, clip_scale, storage_bytes
+from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, storage_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
 
@@ -166,11 +165,9 @@ class DDP:
         from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=self.dp_sharded)
-        value = norm.item()
-        if math.isfinite(value):  # a non-finite gradient never reaches the weights (debug/nonfinite.py)
-            self.optim.step(lr, clip_scale(norm, max_norm))
+        if self.optim.clip_and_step(lr, norm, max_norm):
             self._after_step()
-        return value
+        return norm.item()
 
     def refresh_from_masters(self) -> None:
         """The masters were written from outside (a checkpoint load): rebuild what derives from

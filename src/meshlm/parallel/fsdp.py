@@ -32,7 +32,6 @@ embedding during the loss and the head's backward, where the logits peak.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, Iterator
 
 import torch
@@ -43,7 +42,7 @@ from meshlm.config import TrainConfig
 from meshlm.parallel.ddp import named_state
 from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, round_up, weak_hook
 from meshlm.parallel.fsdp_units import WrapPolicy, by_class, by_size, choose_units  # noqa: F401 (by_class, by_size: API)
-from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, clip_scale, storage_bytes
+from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, storage_bytes
 from meshlm.parallel.sharded_init import repoint
 
 _engine = torch.autograd.Variable._execution_engine
@@ -354,10 +353,8 @@ class FullyShardedDataParallel:
         from meshlm.parallel.grad_norm import global_grad_norm
 
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=True)
-        value = norm.item()
-        if math.isfinite(value):  # a non-finite gradient never reaches the weights (debug/nonfinite.py)
-            self.optim.step(lr, clip_scale(norm, max_norm))
-        return value  # the next forward gathers the updated shards
+        self.optim.clip_and_step(lr, norm, max_norm)
+        return norm.item()  # the next forward gathers the updated shards
 
     def refresh_from_masters(self) -> None:
         pass  # the fp32 shards are the masters; the next forward gathers them

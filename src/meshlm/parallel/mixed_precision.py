@@ -16,6 +16,8 @@ boundaries, and weight decay differs per parameter (matrices only), hence segmen
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -92,6 +94,15 @@ class SegmentAdamW:
         # One multi-tensor kernel for every segment's norm (clip_grad_norm_ does the same), not
         # three launches per segment: on a GPU the per-segment loop was launch-bound.
         return torch.stack(torch._foreach_norm(grads)).square().sum()
+
+    def clip_and_step(self, lr: float, norm: torch.Tensor, max_norm: float) -> bool:
+        """AdamW with the gradients clipped by the global `norm`; nothing when the norm is not
+        finite, so a NaN never reaches the weights (train.on_nonfinite, debug/nonfinite.py).
+        Returns whether the update was applied."""
+        if not math.isfinite(norm.item()):
+            return False
+        self.step(lr, clip_scale(norm, max_norm))
+        return True
 
     @torch.no_grad()
     def step(self, lr: float, scale: torch.Tensor | None) -> None:

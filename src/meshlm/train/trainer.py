@@ -89,6 +89,7 @@ class Trainer:
         self.faults.install(self.model)
         self.stragglers = StragglerDetector(cfg.debug.straggler_threshold, warn=self.metrics.print)
         self.nonfinite_skipped = 0
+        self._same_work_ranks = ctx.layout.groups(("tp", "cp", "dp"))  # one pipeline stage each: desync check
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
         self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
@@ -212,18 +213,31 @@ class Trainer:
         every = torch.empty(self.ctx.world_size * 4, dtype=torch.float64, device=self.device)
         self.comm.all_gather(every, mine, "world")
         every = every.view(-1, 4).tolist()
-        check_fingerprints([row[3] for row in every], self.ctx.layout.groups(("tp", "cp", "dp")), self.step + 1)
+        check_fingerprints([row[3] for row in every], self._same_work_ranks, self.step + 1)
         ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
         return (None if peak is None else int(max(row[0] for row in every))), int(max(row[1] for row in every)), ranks
 
+    def evaluate(self) -> float:
+        """Mean token loss on the fixed held-out batches (all corpora's)."""
+        return self.eval_losses()["eval_loss"]
+
+    def eval_losses(self) -> dict[str, float]:
+        """`eval_loss` over every held-out batch and, for a data.blend, `eval_loss/<corpus>` too,
+        from one pass: the overall loss is the per-corpus totals summed."""
+        totals = {name: self._eval_totals(batches) for name, batches in self.eval_sets.items()}
+        loss_sum, tokens = sum(totals.values()).tolist()
+        row = {"eval_loss": loss_sum / tokens}
+        if len(totals) > 1:
+            row.update({f"eval_loss/{name}": (t[0] / t[1]).item() for name, t in totals.items()})
+        return row
+
     @torch.no_grad()
-    def evaluate(self, batches: list | None = None) -> float:
-        """Mean token loss on the fixed held-out batches (default: all corpora's); each dp rank
+    def _eval_totals(self, eval_set: list) -> torch.Tensor:
+        """(summed token loss, target tokens) over `eval_set`, all ranks together; each dp rank
         takes every dp-th batch."""
-        eval_set = self.eval_set if batches is None else batches
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(eval_set, self.loss_sum, self._autocast)
         self.progress.at("eval")
+        if self.pipeline is not None:
+            return self.pipeline.eval_totals(eval_set, self.loss_sum, self._autocast)
         self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, (inputs, targets) in enumerate(eval_set):
@@ -235,8 +249,7 @@ class Trainer:
             totals[0] += self.loss_sum(logits, targets).double()
             totals[1] += (targets != IGNORE_INDEX).sum()
         self.dp.module.train()
-        self._all_reduce(totals)
-        return (totals[0] / totals[1]).item()
+        return self._all_reduce(totals)
 
     # ------------------------------------------------------------------ the loop
 
@@ -266,9 +279,7 @@ class Trainer:
             if self.pipeline is not None:  # measured bubble beside the simulator's (collective over pp)
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
-                row["eval_loss"] = self.evaluate()
-                if len(self.eval_sets) > 1:  # a blend: each corpus's held-out loss too
-                    row.update({f"eval_loss/{name}": self.evaluate(batches) for name, batches in self.eval_sets.items()})
+                row.update(self.eval_losses())
             done = self.pending_save
             if done is not None and not done.reported and not done.thread.is_alive():
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished

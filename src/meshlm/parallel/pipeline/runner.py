@@ -106,9 +106,9 @@ class PipelineRunner:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[Batch], loss_fn, autocast) -> float:
-        """Mean token loss over `batches`; each dp replica takes every dp-th batch and streams
-        them through the pipeline forward-only."""
+    def eval_totals(self, batches: Sequence[Batch], loss_fn, autocast) -> torch.Tensor:
+        """(summed token loss, target tokens) over `batches`, all ranks together; each dp replica
+        takes every dp-th batch and streams them through the pipeline forward-only."""
         dp_rank, dp_size = self.ctx.coord("dp"), self.ctx.size("dp")
         mine = [b for i, b in enumerate(batches) if i % dp_size == dp_rank]
         program = self._eval_programs.get(len(mine))
@@ -125,7 +125,7 @@ class PipelineRunner:
         totals = torch.stack([loss_sum, torch.tensor(float(sum(int((t != IGNORE_INDEX).sum()) for _, t in mine)),
                                                      dtype=torch.float64, device=self.ctx.device)])
         self.comm.all_reduce(totals, GRAD_REDUCE_AXES)  # dp x cp: the ranks holding other tokens
-        return (totals[0] / totals[1]).item()
+        return totals
 
     # ------------------------------------------------------------------ metrics
 
