@@ -29,7 +29,7 @@ def rank_fn(kind: str, rounds: int, change: str) -> dict[str, list[float]]:
     from meshlm.parallel.pipeline.engine import PipelineEngine
     from meshlm.parallel.pipeline.p2p import PipelineP2P
     from meshlm.parallel.pipeline.schedules import build_schedule
-    from meshlm.train.trainer import token_loss_sum
+    from meshlm.model.loss import token_loss_sum
 
     pp, m, v = 2, 8, VIRTUAL[kind]
     ctx = ParallelContext(Layout(pp=pp))

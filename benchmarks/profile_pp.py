@@ -25,7 +25,7 @@ def rank_fn(kind):
     from meshlm.parallel.pipeline.engine import PipelineEngine
     from meshlm.parallel.pipeline.p2p import PipelineP2P
     from meshlm.parallel.pipeline.schedules import build_schedule
-    from meshlm.train.trainer import token_loss_sum
+    from meshlm.model.loss import token_loss_sum
     pp = 2; m = 8
     ctx = ParallelContext(Layout(pp=pp)); comm = Comm(ctx); rank = ctx.rank; device = ctx.device
     cfg = resolve(load_config(None, ["model.preset=tiny", "model.tie_embeddings=false", "train.seq_len=128",

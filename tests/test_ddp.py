@@ -16,7 +16,7 @@ from meshlm.parallel.mixed_precision import BF16
 from meshlm.parallel.zero import ZeroDataParallel
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
-from meshlm.train.trainer import token_loss_sum
+from meshlm.model.loss import token_loss_sum
 
 from helpers import debug_model, local_batch
 

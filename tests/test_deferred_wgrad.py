@@ -93,7 +93,7 @@ def _engine_order():
     from meshlm.parallel.pipeline.engine import PipelineEngine
     from meshlm.parallel.pipeline.p2p import PipelineP2P
     from meshlm.parallel.pipeline.schedules import build_schedule
-    from meshlm.train.trainer import token_loss_sum
+    from meshlm.model.loss import token_loss_sum
 
     ctx = ParallelContext(Layout(pp=2))
     cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),

@@ -15,7 +15,7 @@ from meshlm.model.llama import TransformerBlock
 from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class, by_size
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
-from meshlm.train.trainer import token_loss_sum
+from meshlm.model.loss import token_loss_sum
 
 from helpers import cli_train_args, debug_model, local_batch, read_metrics, run_meshlm
 

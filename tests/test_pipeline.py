@@ -235,7 +235,7 @@ def _against_torch_pipelining():
     from meshlm.mesh import Layout
     from meshlm.parallel.pipeline.engine import PipelineEngine
     from meshlm.parallel.pipeline.p2p import PipelineP2P
-    from meshlm.train.trainer import token_loss_sum
+    from meshlm.model.loss import token_loss_sum
 
     import torch.distributed as dist
 

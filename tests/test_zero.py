@@ -13,7 +13,7 @@ from meshlm.config import load_config, resolve
 from meshlm.mesh import ParallelContext
 from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
-from meshlm.train.trainer import token_loss_sum
+from meshlm.model.loss import token_loss_sum
 
 from helpers import UnevenlyMaskedLoader, build_trainer, plain_pytorch_reference, small_cfg, target_counts
 

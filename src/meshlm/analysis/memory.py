@@ -9,8 +9,8 @@ micro-batches in the order the engine runs them (for a pipeline, the schedule's 
 list; without one, forward/backward pairs), then the gradient reduction and the optimizer step.
 `predict` walks that program keeping the live bytes: each forward adds the activations its chunk
 saves, each backward frees them. At every point where memory can peak it records the whole
-breakdown: after a forward; at the loss's backward (the last stage: the [tokens, vocab/tp]
-buffers of the softmax's backward); at the first gradients of a backward (the head's weight
+breakdown: after a forward; at the loss and its backward (the last stage: the fp32 chunks the
+loss upcasts); at the first gradients of a backward (the head's weight
 gradient, a freshly allocated gradient buffer, ZeRO-2's staging bucket, FSDP's gathered units);
 at the gradient reduction; inside the optimizer step. The largest point is the peak, reported
 with its breakdown and its name (`phase`). See docs/memory.md for each term's derivation.
@@ -140,6 +140,26 @@ def _vocab_local(cfg: Config) -> int:
     return _padded(cfg.model.vocab_size, cfg.parallel.tp) // cfg.parallel.tp
 
 
+def _loss_saved_item(cfg: Config) -> int:
+    """Bytes per logit the loss keeps for backward (and overwrites with the logits' gradient):
+    the chunked loss (model/loss.py) keeps the logits in their dtype; the vocab-parallel one
+    (tp > 1) its fp32 softmax."""
+    return 4 if cfg.parallel.tp > 1 else _itemsize(cfg)
+
+
+def _loss_transient_bytes(cfg: Config, tokens: int, backward: bool) -> int:
+    """The loss's short-lived fp32 [rows, vocab/tp] buffers. Chunked loss: forward upcasts a
+    chunk (bf16) and log-sum-exps it (one more), backward upcasts a chunk (bf16; fp32 logits are
+    overwritten where they lie). Vocab-parallel loss: forward upcasts all of them (bf16)."""
+    from meshlm.model.loss import chunk_rows
+
+    bf16 = cfg.train.dtype == "bfloat16"
+    if cfg.parallel.tp > 1:
+        return 0 if backward else bf16 * tokens * _vocab_local(cfg) * 4
+    chunk = min(tokens, chunk_rows(cfg.model.vocab_size)) * cfg.model.vocab_size * 4
+    return chunk * (bf16 if backward else 1 + bf16)
+
+
 def _chunk_saved(cfg: Config, stage: int) -> int:
     """Bytes global pipeline stage `stage` saves per micro-batch in flight."""
     m, p = cfg.model, cfg.parallel
@@ -150,8 +170,8 @@ def _chunk_saved(cfg: Config, stage: int) -> int:
     saved = layers * _block_saved(cfg)[0]
     if stage == p.pp * p.pp_virtual - 1:
         # the final norm's input, normalised and weighted values (the head's input); the loss
-        # keeps its fp32 log-softmax (the logits themselves are freed before backward)
-        saved += 3 * sharded * m.dim * item + tokens * _vocab_local(cfg) * 4
+        # keeps the logits (tp = 1) or their fp32 softmax (vocab-parallel)
+        saved += 3 * sharded * m.dim * item + tokens * _vocab_local(cfg) * _loss_saved_item(cfg)
     else:  # the stage's output stays referenced until its gradient comes back
         saved += sharded * m.dim * item
     if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
@@ -276,7 +296,7 @@ def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
     if cfg.train.recompute == "full":
         out += max(0, layers - 1) * _block_saved(cfg)[1]
     if stage == p.pp * p.pp_virtual - 1:
-        out += tokens * _vocab_local(cfg) * 4  # the logits' gradient, kept for the head's
+        out += tokens * _vocab_local(cfg) * _loss_saved_item(cfg)  # the logits' gradient, kept for the head's
     return out
 
 
@@ -292,7 +312,7 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
     last_stage = p.pp * p.pp_virtual - 1
     fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
     block_saved, rebuilt = _block_saved(cfg)
-    vocab = tokens * _vocab_local(cfg) * 4  # one fp32 [tokens, vocab/tp] buffer
+    vocab = tokens * _vocab_local(cfg) * _loss_saved_item(cfg)  # the loss's saved [tokens, vocab/tp]
     points: list[RankMemory] = []
 
     def point(phase: str, activations: float, grads: bool, other: float) -> None:
@@ -309,13 +329,17 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
         if forward:
             live += saved[stage]
             point("forward", live, grads, s.gathered_forward)
+            if stage == last_stage:
+                point("loss", live, grads, s.gathered_loss + _loss_transient_bytes(cfg, tokens, backward=False))
             continue
         incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
         if stage == last_stage:
-            # the softmax's backward: its input's gradient and the logits' gradient, at once
-            point("loss backward", live, grads, s.gathered_loss + 2 * vocab)
-            # the head's backward: the logits' gradient takes the freed log-softmax's place
-            point("head backward", live, grads or s.grads_early, s.gathered_loss + s.staging + s.weight_grad + incoming)
+            # the loss's backward writes the logits' gradient over what it saved, chunk by chunk
+            point("loss backward", live, grads, s.gathered_loss + _loss_transient_bytes(cfg, tokens, backward=True))
+            # the head's backward: its weight and input gradients beside the logits' gradient; the
+            # engine's gradient storage (or ZeRO-2's staging) is made only when the head's weight
+            # gradient is handed over, after this
+            point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming)
             live -= vocab
         deferred = _deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
         point("block backward", live, grads or s.grads_early,
