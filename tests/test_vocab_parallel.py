@@ -42,11 +42,13 @@ def _ranks_loss(scale: float, dtype: torch.dtype):
     loss = vocab_parallel_cross_entropy(local, targets, shard, comm)
     loss.sum().backward()
     assert torch.equal(local.detach(), before)  # by default the logits are left as they were
-    # The trainer's loss consumes its logits (the softmax overwrites them: one [tokens, vocab/tp]
-    # buffer less at the peak) and gives the same sum.
-    consumed = before.float().clone()
+    # The trainer's loss consumes its logits (backward writes their gradient over them: no second
+    # [tokens, vocab/tp] buffer) and gives the same sum and gradient.
+    consumed = before.clone().requires_grad_(True)
     total = VocabParallelLoss(shard, comm)(consumed, targets)
-    assert torch.allclose(total, loss.detach().float().sum(), rtol=1e-6) and not torch.equal(consumed, before.float())
+    total.backward()
+    assert torch.allclose(total.detach(), loss.detach().float().sum(), rtol=1e-6)
+    assert consumed.grad.data_ptr() == consumed.data_ptr() and torch.equal(consumed.grad, local.grad)
     return loss.detach(), local.grad.float(), shard.start, shard.real
 
 

@@ -140,24 +140,15 @@ def _vocab_local(cfg: Config) -> int:
     return _padded(cfg.model.vocab_size, cfg.parallel.tp) // cfg.parallel.tp
 
 
-def _loss_saved_item(cfg: Config) -> int:
-    """Bytes per logit the loss keeps for backward (and overwrites with the logits' gradient):
-    the chunked loss (model/loss.py) keeps the logits in their dtype; the vocab-parallel one
-    (tp > 1) its fp32 softmax."""
-    return 4 if cfg.parallel.tp > 1 else _itemsize(cfg)
-
-
 def _loss_transient_bytes(cfg: Config, tokens: int, backward: bool) -> int:
-    """The loss's short-lived fp32 [rows, vocab/tp] buffers. Chunked loss: forward upcasts a
-    chunk (bf16) and log-sum-exps it (one more), backward upcasts a chunk (bf16; fp32 logits are
-    overwritten where they lie). Vocab-parallel loss: forward upcasts all of them (bf16)."""
+    """The loss's short-lived fp32 [rows, vocab/tp] chunk (model/loss.py): forward shifts a chunk
+    by its row maxima into a new fp32 buffer; backward upcasts a chunk of bf16 logits (fp32
+    logits are overwritten where they lie)."""
     from meshlm.model.loss import chunk_rows
 
-    bf16 = cfg.train.dtype == "bfloat16"
-    if cfg.parallel.tp > 1:
-        return 0 if backward else bf16 * tokens * _vocab_local(cfg) * 4
-    chunk = min(tokens, chunk_rows(cfg.model.vocab_size)) * cfg.model.vocab_size * 4
-    return chunk * (bf16 if backward else 1 + bf16)
+    vocab = _vocab_local(cfg)
+    chunk = min(tokens, chunk_rows(vocab)) * vocab * 4
+    return chunk * (cfg.train.dtype == "bfloat16" if backward else 1)
 
 
 def _chunk_saved(cfg: Config, stage: int) -> int:
@@ -170,8 +161,8 @@ def _chunk_saved(cfg: Config, stage: int) -> int:
     saved = layers * _block_saved(cfg)[0]
     if stage == p.pp * p.pp_virtual - 1:
         # the final norm's input, normalised and weighted values (the head's input); the loss
-        # keeps the logits (tp = 1) or their fp32 softmax (vocab-parallel)
-        saved += 3 * sharded * m.dim * item + tokens * _vocab_local(cfg) * _loss_saved_item(cfg)
+        # keeps the logits, in their dtype
+        saved += 3 * sharded * m.dim * item + tokens * _vocab_local(cfg) * _itemsize(cfg)
     else:  # the stage's output stays referenced until its gradient comes back
         saved += sharded * m.dim * item
     if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
@@ -296,7 +287,7 @@ def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
     if cfg.train.recompute == "full":
         out += max(0, layers - 1) * _block_saved(cfg)[1]
     if stage == p.pp * p.pp_virtual - 1:
-        out += tokens * _vocab_local(cfg) * _loss_saved_item(cfg)  # the logits' gradient, kept for the head's
+        out += tokens * _vocab_local(cfg) * _itemsize(cfg)  # the logits' gradient, kept for the head's
     return out
 
 
@@ -312,7 +303,7 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
     last_stage = p.pp * p.pp_virtual - 1
     fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
     block_saved, rebuilt = _block_saved(cfg)
-    vocab = tokens * _vocab_local(cfg) * _loss_saved_item(cfg)  # the loss's saved [tokens, vocab/tp]
+    vocab = tokens * _vocab_local(cfg) * _itemsize(cfg)  # the loss's saved [tokens, vocab/tp]
     points: list[RankMemory] = []
 
     def point(phase: str, activations: float, grads: bool, other: float) -> None:

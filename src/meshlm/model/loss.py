@@ -29,46 +29,63 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed -log softmax(x)[target] over rows of x [N, V], fp32 maths, chunk by chunk.
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token -log softmax(x)[target] over rows of x [N, V], fp32 maths, chunk by chunk.
 
-    d loss / d x_j = softmax_j - [j == target] (times the incoming scalar gradient); rows whose
-    target is IGNORE_INDEX contribute no loss and a zero gradient."""
+    d loss / d x_j = softmax_j - [j == target] (times the incoming gradient); rows whose target is
+    IGNORE_INDEX have loss 0 and a zero gradient. The row maximum m keeps exp from overflowing:
+    log sum_j exp(x_j) = m + log sum_j exp(x_j - m).
+
+    A vocabulary split across ranks (parallel/vocab_parallel.py) passes `all_reduce(t, op)` to
+    combine the row maxima (MAX) and the sums of exponentials and target logits (SUM) over the
+    ranks, and `offset`, the first vocabulary row of this rank; the target of a row then lives on
+    exactly one rank. One process: no reduction, offset 0."""
 
     @staticmethod
-    def forward(ctx, logits, targets, consume):
-        rows = chunk_rows(logits.shape[1])
-        keep = targets != IGNORE_INDEX
-        safe_targets = targets.masked_fill(~keep, 0)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        target_logit = torch.empty_like(lse)
-        for lo in range(0, logits.shape[0], rows):
-            chunk = logits[lo:lo + rows].float()
-            torch.logsumexp(chunk, dim=-1, out=lse[lo:lo + rows])
-            target_logit[lo:lo + rows] = chunk.gather(1, safe_targets[lo:lo + rows, None]).squeeze(1)
+    def forward(ctx, logits, targets, consume, offset=0, all_reduce=None):
+        rows, n = chunk_rows(logits.shape[1]), logits.shape[0]
+        local = targets - offset
+        mine = (local >= 0) & (local < logits.shape[1]) & (targets != IGNORE_INDEX)
+        local = local.masked_fill_(~mine, 0)
+        row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for lo in range(0, n, rows):
+            row_max[lo:lo + rows] = torch.amax(logits[lo:lo + rows], dim=-1)  # exact in any dtype
+        if all_reduce is not None:
+            all_reduce(row_max, torch.distributed.ReduceOp.MAX)
+        sums = torch.empty((2, n), dtype=torch.float32, device=logits.device)  # exp sums, target logits
+        for lo in range(0, n, rows):
+            chunk = logits[lo:lo + rows] - row_max[lo:lo + rows, None]  # a new fp32 chunk, in any dtype
+            sums[1, lo:lo + rows] = chunk.gather(1, local[lo:lo + rows, None]).squeeze(1)
+            torch.sum(chunk.exp_(), dim=-1, out=sums[0, lo:lo + rows])
             del chunk
-        loss = (lse - target_logit).masked_fill_(~keep, 0.0).sum()
-        ctx.save_for_backward(logits, safe_targets, keep, lse)
+        sums[1].masked_fill_(~mine, 0.0)
+        if all_reduce is not None:
+            all_reduce(sums, torch.distributed.ReduceOp.SUM)
+        ignored = targets == IGNORE_INDEX
+        lse = sums[0].log_().add_(row_max)
+        loss = (lse - row_max - sums[1]).masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(logits, local.masked_fill_(~mine, -1), ignored, lse)
         ctx.consume = consume
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, targets, keep, lse = ctx.saved_tensors
+        logits, local, ignored, lse = ctx.saved_tensors
         grad = logits if ctx.consume else torch.empty_like(logits)
         rows = chunk_rows(logits.shape[1])
-        scale = (grad_loss * keep).float()  # zero for ignored rows
+        scale = grad_loss.float().masked_fill(ignored, 0.0)
+        mine = local >= 0
         for lo in range(0, logits.shape[0], rows):
             hi = min(lo + rows, logits.shape[0])
             # An fp32 chunk of consumed fp32 logits is their storage: the softmax overwrites it.
             chunk = logits[lo:hi].float() if ctx.consume else logits[lo:hi].to(torch.float32, copy=True)
             chunk.sub_(lse[lo:hi, None]).exp_()
-            chunk.scatter_add_(1, targets[lo:hi, None], -torch.ones((hi - lo, 1), device=chunk.device))
+            chunk.scatter_add_(1, local[lo:hi, None].clamp(min=0), -mine[lo:hi, None].float())
             chunk.mul_(scale[lo:hi, None])
             if chunk.data_ptr() != grad[lo:hi].data_ptr():
                 grad[lo:hi].copy_(chunk)
             del chunk
-        return grad, None, None
+        return grad, None, None, None, None
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, consume_logits: bool = False) -> torch.Tensor:
@@ -76,7 +93,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, consume_logits: 
 
     `consume_logits=True` lets backward overwrite the logits with their gradient (the trainer's
     path: it drops its reference right after the loss); never read them after backward then."""
-    return _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume_logits)
+    return ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume_logits).sum()
 
 
 def consuming_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Vocabulary-parallel embedding, output head and cross-entropy: each tp rank owns vocab/tp rows.
 Reduces: the embedding, the head and the [tokens, vocab] logits (the largest activation of a small
 model) by 1/tp per rank. Costs: one all-reduce of [B, S, h] after the lookup (or a reduce-scatter
-under SP) and three all-reduces of [B, S] scalars in the loss; the logits are never gathered.
+under SP) and two all-reduces of [B, S] scalars in the loss; the logits are never gathered.
 
 Padding: a vocabulary not divisible by tp is padded to the next multiple with zero rows at the
 end. No token id reaches a padded row, and the head drops the padded rows before its GEMM (the
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.comm import Comm
+from meshlm.model.loss import IGNORE_INDEX, ChunkedCrossEntropy  # noqa: F401 (IGNORE_INDEX: re-exported)
 from meshlm.parallel.tensor_layers import (TP, ParallelRegion, _ReduceFromTensorParallel, _ReduceScatterToSequence,
                                            mark_tp_sharded, shard_rows)
 
-IGNORE_INDEX = -100  # the trainer's marker for positions without a target
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -81,75 +81,30 @@ class VocabParallelHead(nn.Module):
             self.region.leave()
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token -log softmax(logits)[target] from vocab-sharded logits [N, V/tp].
-
-    log sum_j exp(x_j) = m + log sum_j exp(x_j - m) with m the global max (one all-reduce MAX, so
-    exp cannot overflow); the sum of exponentials and the target's logit (held by exactly one rank,
-    zero elsewhere) are summed in one all-reduce of a [2, N] tensor. Backward needs no
-    communication: d loss / d x_j = softmax_j - [j == target], computed from the saved exponentials.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, comm, inplace):
-        logits = logits.float()
-        n_tokens = logits.shape[0]
-        # sums[0] = the target's logit (0 on ranks that do not own it), sums[1] = sum of exp.
-        sums = torch.empty((2, n_tokens), dtype=torch.float32, device=logits.device)
-        global_max = torch.amax(logits, dim=-1)
-        comm.all_reduce(global_max, TP, op=torch.distributed.ReduceOp.MAX)
-        # Shifted, then exponentiated, then normalised in place: one [N, V/tp] tensor, which with
-        # `inplace` is the logits' own storage (Megatron's trick; nothing else reads the logits).
-        exp = logits.sub_(global_max.unsqueeze(-1)) if inplace else logits - global_max.unsqueeze(-1)
-        del global_max
-        local_target = targets - start
-        not_mine = (local_target < 0) | (local_target >= logits.shape[-1])
-        local_target.masked_fill_(not_mine, 0)
-        torch.gather(exp, 1, local_target.unsqueeze(-1), out=sums[0].unsqueeze(-1))
-        sums[0].masked_fill_(not_mine, 0.0)
-        torch.sum(exp.exp_(), dim=-1, out=sums[1])
-        comm.all_reduce(sums, TP)
-        ignored = targets == IGNORE_INDEX
-        loss = torch.log(sums[1]).sub_(sums[0]).masked_fill_(ignored, 0.0)
-        # Saved for backward: softmax (rows of ignored tokens zeroed, so their gradient is zero)
-        # and this rank's target column, -1 where another rank owns the target.
-        softmax = exp.div_(sums[1].unsqueeze(-1)).masked_fill_(ignored.unsqueeze(-1), 0.0)
-        ctx.save_for_backward(softmax, local_target.masked_fill_(not_mine | ignored, -1))
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target = ctx.saved_tensors
-        grad = softmax  # reused in place: backward runs once
-        mine = local_target >= 0
-        ones = mine.to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(1, local_target.clamp(min=0).unsqueeze(-1), -ones)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
-
-
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
-                                 comm: Comm, inplace: bool = False) -> torch.Tensor:
+                                 comm: Comm, consume: bool = False) -> torch.Tensor:
     """Per-token losses [..] (fp32; 0 where the target is IGNORE_INDEX) from logits [.., V/tp].
 
-    `inplace=True` overwrites fp32 logits with the softmax instead of allocating a copy of the
-    largest activation; the caller must not read the logits afterwards (autograd would refuse a
-    backward through anything that saved them: their version counter moves)."""
-    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            shard.start, comm, inplace)
+    The chunked loss of model/loss.py with the row maxima (all-reduce MAX) and the sums of
+    exponentials and target logits (one all-reduce of a [2, N] tensor; the target's logit is held
+    by exactly one rank) combined over the tp ranks. Backward needs no communication:
+    d loss / d x_j = softmax_j - [j == target] from the saved logits and log-sum-exp.
+    `consume=True` writes the gradient over the logits (the caller never reads them again)."""
+    flat = ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume, shard.start,
+                                     lambda t, op: comm.all_reduce(t, TP, op=op))
     return flat.view(targets.shape)
 
 
 class VocabParallelLoss:
     """`loss_sum(logits, targets)`: the trainer's summed token loss, for vocab-sharded logits.
-    Consumes the logits (in-place softmax): the trainer reads only the loss."""
+    Consumes the logits (their gradient is written over them): the trainer reads only the loss."""
 
     def __init__(self, shard: VocabShard, comm: Comm):
         self.shard = shard
         self.comm = comm
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.shard, self.comm, inplace=True).sum()
+        return vocab_parallel_cross_entropy(logits, targets, self.shard, self.comm, consume=True).sum()
 
 
 def gather_logits(local: torch.Tensor, shard: VocabShard, comm: Comm) -> torch.Tensor:
