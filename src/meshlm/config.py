@@ -63,6 +63,13 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: str = "float32"
     recompute: str = "none"
+    # Compile every transformer block with torch.compile, one block at a time as torchtitan does
+    # (parallel/compile.py): fused kernels for some seconds of compile time at start-up.
+    # compile_backend is torchtitan's compile.backend: inductor generates the code; aot_eager traces
+    # the same graphs (forward and backward, through AOTAutograd) but runs eager kernels, so it
+    # starts in a fraction of the time (the tests use it); eager only captures the graphs.
+    compile: bool = False
+    compile_backend: str = "inductor"
     eval_interval: int = 100
     eval_batches: int = 8  # of micro_batch_size sequences each, from the held-out split
     log_interval: int = 10

@@ -13,6 +13,7 @@ from typing import Any
 
 from meshlm.errors import ConfigError
 from meshlm.model.presets import PRESETS
+from meshlm.parallel.compile import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ RANGES: dict[str, Range] = {
     "train.grad_clip": _at_least(0, "0 disables"),
     "train.dtype": Range(choices=("float32", "bfloat16")),
     "train.recompute": Range(choices=("none", "full", "selective")),
+    "train.compile": ANY,
+    "train.compile_backend": Range(choices=BACKENDS),
     "train.eval_interval": _at_least(0, "0 disables"),
     "train.peak_tflops": _above(0),
     "train.track_memory": ANY,

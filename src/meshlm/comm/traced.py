@@ -29,6 +29,12 @@ from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
 
 ReduceOp = dist.ReduceOp
 
+# A compiled block (train.compile, parallel/compile.py) calls the ops below as they are: a graph
+# break, not traced. Traced, dynamo would put the library collective into the graph as a functional
+# one, apart from the recorder's bookkeeping around it, and cut the block into many small graphs.
+# Costs about 0.5 us per call when nothing is compiled.
+_eager = torch.compiler.disable
+
 
 class P2P(NamedTuple):
     """One half of a point-to-point exchange for `Comm.batch_isend_irecv`: kind 'send' or 'recv'."""
@@ -49,6 +55,7 @@ class Handle:
         self._records = records
         self._recorder = recorder
 
+    @_eager
     def wait(self) -> None:
         if self._works:
             t0 = time.perf_counter()
@@ -123,6 +130,7 @@ class Comm:
 
     # ---- collectives
 
+    @_eager
     def all_reduce(self, tensor: torch.Tensor, axis: AxesLike, op=ReduceOp.SUM, async_op: bool = False):
         """In place: every rank of the group ends with the reduction of all ranks' `tensor`."""
         label, group, ranks, me = self._group(axis)
@@ -137,6 +145,7 @@ class Comm:
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
+    @_eager
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: AxesLike, async_op: bool = False):
         """output (n times input's size) = the group's inputs concatenated in group-rank order."""
         label, group, ranks, me = self._group(axis)
@@ -152,6 +161,7 @@ class Comm:
         work = dist.all_gather_single(output, input, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
+    @_eager
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: AxesLike, op=ReduceOp.SUM,
                        async_op: bool = False):
         """output (1/n of input) = group-rank-th slice of the reduction of all ranks' `input`."""
@@ -168,6 +178,7 @@ class Comm:
         work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
+    @_eager
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: AxesLike,
                    output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
                    async_op: bool = False):
@@ -187,6 +198,7 @@ class Comm:
                                       async_op=async_op)
         return self._end(record, work, async_op)
 
+    @_eager
     def broadcast(self, tensor: torch.Tensor, src: int, axis: AxesLike, async_op: bool = False):
         """Copy `tensor` from global rank `src` to every rank of the group."""
         label, group, ranks, me = self._group(axis)
@@ -199,6 +211,7 @@ class Comm:
         work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
+    @_eager
     def barrier(self, axis: AxesLike = "world") -> None:
         label, group, ranks, me = self._group(axis)
         if len(ranks) == 1:
@@ -216,24 +229,29 @@ class Comm:
         return self._begin(kind, label, 2, tensor, tensor.numel(), nbytes, traffic, peer=peer,
                            async_op=async_op, channel=channel)
 
+    @_eager
     def send(self, tensor: torch.Tensor, dst: int, axis: str = "world") -> None:
         record = self._p2p_record("send", tensor, dst, axis, False)
         dist.send(tensor, dst=dst)
         self._end(record, None, False)
 
+    @_eager
     def recv(self, tensor: torch.Tensor, src: int, axis: str = "world") -> None:
         record = self._p2p_record("recv", tensor, src, axis, False)
         dist.recv(tensor, src=src)
         self._end(record, None, False)
 
+    @_eager
     def isend(self, tensor: torch.Tensor, dst: int, axis: str = "world") -> Handle:
         record = self._p2p_record("send", tensor, dst, axis, True)
         return Handle([dist.isend(tensor, dst=dst)], [record], self.recorder)
 
+    @_eager
     def irecv(self, tensor: torch.Tensor, src: int, axis: str = "world") -> Handle:
         record = self._p2p_record("recv", tensor, src, axis, True)
         return Handle([dist.irecv(tensor, src=src)], [record], self.recorder)
 
+    @_eager
     def batch_isend_irecv(self, ops: Sequence[P2P], axis: str = "world", group=None) -> Handle:
         """Start all sends and receives at once (so a ring of sends cannot deadlock); one handle.
         Empty tensors are skipped: both sides know the sizes, and there is nothing to move.

@@ -4,7 +4,8 @@ sharded (on the meta device first), so a rank never holds more than its own part
 Costs: nothing at run time; at start-up, each rank's draw of its slices' random streams.
 
     Llama on meta -> TP/SP (slices) -> CP (ring attention, global RoPE positions)
-      -> recompute (checkpoint wrappers) -> PP split (this rank's stage) -> materialise
+      -> recompute (checkpoint wrappers) -> compile (each block's forward, train.compile)
+      -> PP split (this rank's stage) -> materialise
       -> DP engine: DDP / ZeRO-1/2 (materialised parameters) or FSDP (draws only its shard)
 
 Every step is a module swap or a wrapper that keeps the single-process parameter names, which
@@ -21,6 +22,7 @@ from torch import nn
 from meshlm.comm import Comm
 from meshlm.config import Config
 from meshlm.model import Llama
+from meshlm.parallel.compile import apply_compile
 from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data_parallel import DataParallel, build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
@@ -47,6 +49,8 @@ def build_local_model(cfg: Config, comm: Comm) -> LocalModel:
     tp = apply_tensor_parallel(model, comm, cfg.parallel.sp)
     cp = apply_context_parallel(model, comm)
     apply_activation_checkpointing(model, cfg.train.recompute)
+    if cfg.train.compile:  # lazily: dynamo traces each block at its first call, on the real parameters
+        apply_compile(model, cfg.train.compile_backend)
     if cfg.parallel.pp > 1:
         from meshlm.parallel.pipeline import split_for_rank
 

@@ -9,22 +9,31 @@ keeping the large linear-layer activations.
 
 from __future__ import annotations
 
-import functools
+import types
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(self: nn.Module, *args, **kwargs):
     # use_reentrant=False: works with inputs that do not require grad and with kwargs, and is
     # the implementation PyTorch recommends.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(self.forward_without_recompute, *args, use_reentrant=False, **kwargs)
 
 
 def recompute_module(module: nn.Module) -> None:
     """Make `module` recompute its forward in backward. The forward is replaced on the instance,
-    not wrapped in a new module, so parameter names (and checkpoints) do not change."""
-    module.forward = functools.partial(_checkpointed, module.forward)
+    not wrapped in a new module, so parameter names (and checkpoints) do not change. It is a
+    method of one shared function, not a functools.partial per module: torch.compile guards a
+    partial by its identity and would compile every block again (train.compile, compile.py)."""
+    module.forward_without_recompute = module.forward
+    module.forward = types.MethodType(_checkpointed, module)
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether `recompute_module` made `module` recompute (its own forward is then
+    `module.forward_without_recompute`)."""
+    return "forward_without_recompute" in vars(module)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

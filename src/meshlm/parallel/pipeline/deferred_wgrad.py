@@ -109,6 +109,9 @@ class DeferredWeightGradLinear(nn.Linear):
 
     weight_grad_store: WeightGradStore
 
+    # Never traced by a compiled block (train.compile): its backward writes to the store, which
+    # dynamo cannot put in a graph, and a traced `armed` would recompile the layer per weight shape.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An input without gradient would leave the function outside the graph (its only autograd
         # input is x), and the weight's gradient would be lost: such layers take the plain path.

@@ -1,0 +1,62 @@
+"""Per-block compilation (train.compile): reduces each block's time by fusing its elementwise work
+(norms, RoPE, SwiGLU) into fewer kernels; costs compile time at start-up and at each recompile.
+
+Each transformer block's forward is replaced on the instance by a `torch.compile`d one, as
+recompute does, after TP/SP, CP and recompute and before the PP split and the DP engine (the order
+of torchtitan: TP -> AC -> compile -> FSDP). So parameter names, checkpoints and the module hooks
+the engines register (FSDP's gathers, DDP's and ZeRO's gradient hooks) stay outside the compiled
+code: `Module.__call__` runs them eagerly around the compiled forward. Dynamo traces a block as a
+function of its module (parameters are graph inputs, not constants), so all blocks share one set
+of graphs instead of compiling n_layers of them.
+
+fullgraph=False: what dynamo cannot trace runs eagerly between compiled pieces (a graph break).
+Inside a block those are meshlm's collectives (`Comm`'s ops are never traced, so the flight
+recorder brackets the real op): TP/SP's all-reduces, all-gathers and reduce-scatters with the
+autograd functions around them, ring attention's P2P exchanges, and a pipeline stage's linears
+that defer their weight gradients. The compiled pieces are the computation between them. A module
+called where a graph breaks is compiled as a function of its own, once per distinct weight shape
+(a TP linear: wq, wk/wv, w1/w3), still not per block; dynamo's limit of 8 entries per function
+leaves room for those and for evaluation's no_grad variants.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+
+from meshlm.parallel.recompute import is_recomputed
+
+# `train.compile_backend`, as torchtitan's `compile.backend`: inductor generates fused kernels
+# (C++/OpenMP on a CPU, Triton on a GPU); aot_eager traces the same graphs, forward and backward
+# through AOTAutograd, and runs them with eager kernels (no code generated: starts in a fraction of
+# the time, the tests use it); eager only captures the graphs with dynamo (to look for breaks).
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile the forward of every block in `model.layers`. Under train.recompute=full the
+    checkpoint stays outside, eager, and recomputes the compiled forward: compiled around it
+    instead, a graph break inside the checkpoint (any collective under TP or CP) would leave dynamo
+    nothing to compile in the whole block."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown compile backend {backend!r} (known: {', '.join(BACKENDS)})")
+    for block in model.layers:
+        name = "forward_without_recompute" if is_recomputed(block) else "forward"
+        setattr(block, name, _compiled(getattr(block, name), backend))
+
+
+def _compiled(forward: Callable, backend: str) -> Callable:
+    compiled = torch.compile(forward, backend=backend, fullgraph=False)
+
+    def forward_compiled(*args, **kwargs):
+        # Dynamo does not run under a TorchDispatchMode, and one call under it skips the code for
+        # good. The CPU memory tracker is one (train/memtrack.py): its measured steps (1, 2 and every
+        # train.memory_interval-th) run the blocks eagerly, so they measure eager memory.
+        if any_torch_dispatch_mode_on_stack():
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward_compiled
