@@ -128,17 +128,21 @@ class ShardWriter:
         return totals
 
     def _write_index(self, path: Path, split: str) -> None:
-        """offsets[0] = 0, offsets[d+1] = offsets[d] + tokens of document d, filled shard by shard
-        into a memmapped .npy: memory is one shard's lengths, whatever the number of documents."""
+        """offsets[0] = 0, offsets[d+1] = offsets[d] + tokens of document d: a .npy written shard by
+        shard, so memory is one shard's lengths whatever the number of documents. Streamed with
+        plain writes, not through a memmap, whose dirty pages would count in this process's
+        resident memory until written back (one int64 per document: ~0.1 byte per byte of text)."""
         count = sum(shard[f"{split}_documents"] for shard in self.done)
-        offsets = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(count + 1,))
-        offsets[0], at = 0, 0
-        for k in range(len(self.done)):
-            lengths = np.load(self.directory / f"{k:05d}.lengths.npz")[split]
-            offsets[at + 1:at + 1 + len(lengths)] = offsets[at] + np.cumsum(lengths)
-            at += len(lengths)
-        offsets.flush()
-        del offsets
+        with open(path, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(np.int64).str, "fortran_order": False,
+                                                     "shape": (count + 1,)})
+            end = 0
+            f.write(np.zeros(1, dtype=np.int64).tobytes())
+            for k in range(len(self.done)):
+                lengths = np.load(self.directory / f"{k:05d}.lengths.npz")[split]
+                offsets = end + np.cumsum(lengths, dtype=np.int64)
+                f.write(offsets.tobytes())
+                end = int(offsets[-1]) if len(offsets) else end
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
