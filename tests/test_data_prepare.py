@@ -355,3 +355,22 @@ def test_a_large_text_file_is_cut_into_whole_line_segments_that_rejoin_exactly(t
     (tmp_path / "bad.txt").write_bytes(text.encode()[:at] + b"\xff" + text.encode()[at:])
     with pytest.raises(ConfigError, match=rf"bad\.txt is not UTF-8 text \(invalid start byte at byte {at}\)"):
         list(find_corpus(DataConfig(path=str(tmp_path / "bad.txt"))).documents())
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def test_bench_data_reports_throughput_and_memory_against_the_tokenizer(tmp_path):
+    """`meshlm bench data` end to end on a 2 MB corpus (the recorded run is 1 GB: RESULTS.md)."""
+    proc = meshlm_in_process("bench", "data", "--size-mb", "2", "--reference-mb", "1", "--pairs", "1",
+                             "--vocab-size", "512", "--workers", "2", "--dir", str(tmp_path), "--json")
+    result = json.loads(proc.stdout)
+    (row,) = result["rows"]
+    assert row["corpus_bytes"] >= 2e6 and row["tokens"] > row["corpus_bytes"] / 8 and row["workers"] == 2
+    assert row["reference"] and row["meshlm_tokens_per_s"] > 0 and row["reference_tokens_per_s"] > 0
+    assert row["tokens_per_s_ratio"] == pytest.approx(row["meshlm_tokens_per_s"] / row["reference_tokens_per_s"])
+    # meshlm's peak: the preparing process plus every worker at its largest
+    assert row["meshlm_peak_bytes"] == row["meshlm_main_peak_bytes"] + 2 * row["meshlm_worker_peak_bytes"]
+    assert row["reference_peak_bytes"] > 0
+    assert not any(tmp_path.iterdir())  # the generated corpus and cache are deleted without --keep
+    assert "--size-mb" in meshlm_in_process("bench", "data", "--size-mb", "0", code=2).stderr
