@@ -193,29 +193,35 @@ class Trainer:
             grad_norm, nonfinite = self.optimizer_step(loss_sum)
         self.progress.at("end of step")  # the loss and the small all-gather below
         loss = self._all_reduce(loss_sum).item() / global_tokens
-        busy_s = time.perf_counter() - t0 - (self.comm.recorder.blocked_s - blocked0)
-        peak, stop, ranks = self._gather_over_ranks(
-            self.memory.last_peak, self.stop_signals.number if self.stop_signals is not None else 0, busy_s)
+        blocked_s = self.comm.recorder.blocked_s - blocked0
+        peak, stop, ranks = self._gather_over_ranks(self.memory.last_peak, self.stop_signals.number
+                                                    if self.stop_signals is not None else 0,
+                                                    time.perf_counter() - t0 - blocked_s, blocked_s)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step += 1
         return StepResult(loss, grad_norm, int(global_tokens), time.perf_counter() - t0, peak,
                           signal.Signals(stop) if stop else None, ranks, nonfinite)
 
-    def _gather_over_ranks(self, peak: int | None, stop: int, busy_s: float) -> tuple[int | None, int, dict | None]:
-        """Every rank's peak memory, stop-signal number, working time and collective fingerprint,
-        in one small all-gather over the world: the largest peak, any stop (every rank must agree
-        to stop after the same step, or the others would wait forever), the slowest and fastest
-        rank, and a desync check (DesyncError on every rank alike)."""
+    def _gather_over_ranks(self, peak: int | None, stop: int, busy_s: float,
+                           blocked_s: float) -> tuple[int | None, int, dict | None]:
+        """Every rank's peak memory, stop-signal number, working time, collective fingerprint and
+        time blocked in communication, in one small all-gather over the world: the largest peak,
+        any stop (every rank must agree to stop after the same step, or the others would wait
+        forever), the slowest and fastest rank, the ranks' mean exposed communication, and a
+        desync check (DesyncError on every rank alike)."""
         if self.ctx.world_size == 1:
             return peak, stop, None
         mine = torch.tensor([-1.0 if peak is None else float(peak), float(stop), busy_s,
-                             float(self.comm.recorder.fingerprint)], dtype=torch.float64, device=self.device)
-        every = torch.empty(self.ctx.world_size * 4, dtype=torch.float64, device=self.device)
+                             float(self.comm.recorder.fingerprint), blocked_s], dtype=torch.float64, device=self.device)
+        every = torch.empty(self.ctx.world_size * 5, dtype=torch.float64, device=self.device)
         self.comm.all_gather(every, mine, "world")
-        every = every.view(-1, 4).tolist()
+        every = every.view(-1, 5).tolist()
         check_fingerprints([row[3] for row in every], self._same_work_ranks, self.step + 1)
         ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
+        # Host time blocked in collectives, the ranks' mean: on gloo the communication the step
+        # did not hide behind computation; on CUDA only what the host waited for (a lower bound).
+        ranks["comm_exposed_s"] = sum(row[4] for row in every) / len(every)
         return (None if peak is None else int(max(row[0] for row in every))), int(max(row[1] for row in every)), ranks
 
     def evaluate(self) -> float:
@@ -273,6 +279,8 @@ class Trainer:
                 "mem_peak_bytes": result.mem_peak_bytes, "mem_measured": self.memory.measured,
                 **(result.ranks or {}),
             }
+            if "comm_exposed_s" in row:
+                row["comm_exposed_share"] = row["comm_exposed_s"] / result.step_time_s
             if result.nonfinite:  # train.on_nonfinite=skip: this step changed nothing
                 row["nonfinite_skipped"] = self.nonfinite_skipped
                 self.metrics.print(f"warning: {result.nonfinite}; update skipped "
