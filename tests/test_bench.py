@@ -1,5 +1,6 @@
-"""`meshlm bench tp`, `pp` and `cp` print DESIGN.md's `--json` rows (tiny runs; the
-numbers themselves live in benchmarks/RESULTS.md, not in tests). `bench dp` is in test_ddp.py."""
+"""`meshlm bench tp`, `pp`, `cp` and `gpu` (its CPU smoke) print DESIGN.md's `--json` rows (tiny
+runs; the numbers themselves live in benchmarks/RESULTS.md, not in tests). `bench dp` is in
+test_ddp.py, `bench scaling` in test_bench_scaling.py."""
 
 import json
 
@@ -66,3 +67,43 @@ def test_bench_cp_json(capsys, shim):
         check_rows({"rows": [row]}, [row["name"]])
         assert row["loss_max_abs_diff"] <= LOSS_TOLERANCE
         assert row["reference_loss"] == pytest.approx(row["meshlm_loss"], abs=1e-5)
+
+
+# --------------------------------------------------------------------------- bench gpu
+
+
+def test_bench_gpu_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
+    import torch
+
+    from meshlm.bench.gpu import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no CUDA GPU" in err and "--device cpu" in err
+
+
+def test_bench_gpu_cpu_smoke_rows_carry_mfu(capsys):
+    from meshlm.analysis.flops import flops_per_token
+    from meshlm.bench.gpu import main
+    from meshlm.config import load_config, resolve
+
+    assert main(["--device", "cpu", "--modes", "eager", "--seq", "32", "--steps", "1", "--warmup", "0",
+                 "--peak-tflops", "2", "--json"]) == 0
+    row, = json.loads(capsys.readouterr().out)["rows"]
+    assert DESIGN_FIELDS <= set(row) and row["world_size"] == 1 and row["reference"] == "transformers eager"
+    assert row["meshlm_tokens_per_s"] > 0 and row["meshlm_peak_bytes"] > 0 and row["reference_peak_bytes"] > 0
+    fpt = flops_per_token(resolve(load_config(None, ["model.preset=debug"])).model, 32)
+    assert row["mfu"] == pytest.approx(row["meshlm_tokens_per_s"] * fpt / 2e12)
+    assert row["reference_mfu"] == pytest.approx(row["reference_tokens_per_s"] * fpt / 2e12)
+    # Same weights, same batch: the first step's loss agrees up to bf16 rounding.
+    assert row["meshlm_loss"] == pytest.approx(row["reference_loss"], abs=2e-2)
+
+
+def test_bench_gpu_targets_are_recorded_where_they_apply():
+    from meshlm.bench.gpu import targets_met
+
+    row = {"reference": "transformers+compile", "tokens_per_s_ratio": 0.97, "preset": "1b", "seq_len": 2048,
+           "mfu": 0.47}
+    assert targets_met(row) == {"tokens_per_s_ratio >= 1.0": False, "mfu >= 0.45": True}
+    assert targets_met({**row, "reference": "transformers eager", "preset": "125m"}) == {}

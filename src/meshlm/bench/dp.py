@@ -4,7 +4,7 @@ Reduces: guessing whether meshlm's DDP / ZeRO / FSDP are as fast and as lean as 
 Costs: a few minutes of the machine with the defaults (world size 2, a ~4M-parameter model).
 
 Per stage, on the same model, weights, data and world size, in one invocation, alternately
-(pair i runs meshlm first when i is even, the reference first when odd):
+(round i runs meshlm first when i is even, last when odd; bench/timing.py):
   zero 0 and 1 -> torch DistributedDataParallel, zero 2 -> fully_shard(reshard_after_forward=False),
   zero 3 -> fully_shard. A third, communication-free step (the same model trained locally with
   AdamW) gives the compute-only time; exposed communication = (step - compute-only) / step.
@@ -22,13 +22,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
-from meshlm.train.memtrack import measure_peak_bytes
+from meshlm.bench.report import bench_row, parse_args, pin_rank_to_core, run_and_emit
+from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
 
@@ -36,29 +35,41 @@ REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3
 # --------------------------------------------------------------------------- engines (every rank)
 
 
-def _model(opts, device):
+def model_config(opts):
+    """The benchmark's model: the debug preset reshaped by the command line's dimensions."""
     from meshlm.config import load_config, resolve
-    from meshlm.model import Llama, init_weights
 
-    cfg = resolve(load_config(None, [
+    return resolve(load_config(None, [
         "model.preset=debug", f"model.dim={opts.dim}", f"model.n_layers={opts.layers}", f"model.n_heads={opts.heads}",
         f"model.n_kv_heads={opts.heads}", f"model.ffn_dim={opts.ffn}", f"model.vocab_size={opts.vocab}",
         f"model.max_seq_len={opts.seq}", f"train.seq_len={opts.seq}", "train.micro_batch_size=1",
         "train.global_batch_size=1"]))
+
+
+def build_model(cfg, device):
+    """`cfg.model`'s Llama with the weights every engine of a bench starts from (seed 1)."""
+    from meshlm.model import Llama, init_weights
+
     model = Llama(cfg.model)
     init_weights(model, 1)
-    return model.to(device), cfg
+    return model.to(device)
 
 
 class Engine:
-    """One trainable setup with a uniform `step(inputs, targets, tokens)` and `state()`."""
+    """One data-parallel setup (bench/timing.py's engine): kind 'meshlm' (meshlm's engine for
+    `zero`), 'reference' (torch DDP for zero 0/1, fully_shard for 2/3) or 'compute' (the model
+    alone: no communication), on `cfg.model` (copied, not changed)."""
 
-    def __init__(self, kind: str, zero: int, opts, comm, device, capture_buckets: bool = False) -> None:
+    def __init__(self, kind: str, zero: int, cfg, comm, device, bucket_mb: float = 25.0,
+                 capture_buckets: bool = False) -> None:
+        import copy
+
         from meshlm.config import TrainConfig
         from meshlm.train.optim import build_optimizer
 
         self.kind = kind
-        model, cfg = _model(opts, device)
+        cfg = copy.deepcopy(cfg)
+        model = build_model(cfg, device)
         train = TrainConfig(lr=1e-4)
         self.n = dist.get_world_size()
         self.dp = None
@@ -68,13 +79,13 @@ class Engine:
 
             cfg.parallel.zero = zero
             cfg.train = train
-            options = {"bucket_bytes": opts.bucket_mb * 2**20} if zero < 3 else {}
+            options = {"bucket_bytes": bucket_mb * 2**20} if zero < 3 else {}
             self.dp = build_data_parallel(model, cfg, comm, **options)
             self.module = self.dp.module
         elif kind == "compute":  # no communication at all: the compute-only step
             self.module = model
         elif zero < 2:
-            self.module = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=opts.bucket_mb)
+            self.module = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
             if capture_buckets:  # the reducer's bucket buffers live in C++: make them visible
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -121,36 +132,17 @@ class Engine:
 
 
 def _batch(step, opts, device):
-    g = torch.Generator().manual_seed(step)
-    rows = torch.randint(0, opts.vocab, (opts.batch * dist.get_world_size(), opts.seq + 1), generator=g)
-    r = dist.get_rank()
-    mine = rows[r * opts.batch: (r + 1) * opts.batch].to(device)
-    return mine[:, :-1], mine[:, 1:], float(rows.shape[0] * opts.seq)
+    return random_batch(step, opts.batch * dist.get_world_size(), opts.seq, opts.vocab, device,
+                        (dist.get_rank(), dist.get_world_size()))
 
 
-def _timed(engine: Engine, step: int, opts, comm, device) -> float:
-    inputs, targets, tokens = _batch(step, opts, device)
-    comm.barrier()
-    t0 = time.perf_counter()
-    engine.step(inputs, targets, tokens)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    comm.all_reduce(slowest, "world", op=dist.ReduceOp.MAX)
-    return slowest.item()
-
-
-def _peak_bytes(kind: str, zero: int, opts, comm, device) -> int:
-    """Peak bytes of one step of a fresh engine after one warm-up step (optimizer state exists)."""
-    engine = Engine(kind, zero, opts, comm, device, capture_buckets=True)
-    engine.step(*_batch(1, opts, device))
-    inputs, targets, tokens = _batch(0, opts, device)
+def fresh_peak_bytes(kind: str, zero: int, cfg, comm, device, bucket_mb: float, warm_batch, batch) -> int:
+    """Peak bytes of one step of a fresh engine after one warm-up step (optimizer state exists);
+    fresh, because seeing torch DDP's bucket buffers takes a Python comm hook, too slow to time."""
+    engine = Engine(kind, zero, cfg, comm, device, bucket_mb, capture_buckets=True)
+    engine.step(*warm_batch)
     # ZeRO-3 frees gathered parameters by resizing storages in place: follow resizes.
-    peak = measure_peak_bytes(lambda: engine.step(inputs, targets, tokens), engine.state(), device,
-                              track_resizes=True)
-    biggest = torch.tensor([float(peak)], dtype=torch.float64, device=device)
-    comm.all_reduce(biggest, "world", op=dist.ReduceOp.MAX)
-    return int(biggest.item())
+    return measured_peak(engine, batch, comm, device, track_resizes=True)
 
 
 def _bench_rank(opts) -> list[dict]:
@@ -164,24 +156,20 @@ def _bench_rank(opts) -> list[dict]:
     device = ctx.device
     pin_rank_to_core(ctx.rank, device)
     rows = []
-    n_params = sum(p.numel() for p in _model(opts, "cpu")[0].parameters())
+    cfg = model_config(opts)
+    n_params = sum(p.numel() for p in build_model(cfg, "cpu").parameters())
     for zero in opts.zero:
-        engines = {k: Engine(k, zero, opts, comm, device) for k in ("meshlm", "reference", "compute")}
-        times = {k: [] for k in engines}
-        for i in range(opts.warmup + opts.steps):
-            order = ("meshlm", "reference", "compute") if i % 2 == 0 else ("reference", "meshlm", "compute")
-            for k in order:
-                t = _timed(engines[k], i, opts, comm, device)
-                if i >= opts.warmup:
-                    times[k].append(t)
+        engines = {k: Engine(k, zero, cfg, comm, device, opts.bucket_mb) for k in ("meshlm", "reference", "compute")}
+        timed = alternate(engines, lambda i: _batch(i, opts, device), comm, device, opts.warmup, opts.steps)
+        times = {k: [t for t, _ in v] for k, v in timed.items()}
         del engines
-        peaks = {k: _peak_bytes(k, zero, opts, comm, device) for k in ("meshlm", "reference")}
+        peaks = {k: fresh_peak_bytes(k, zero, cfg, comm, device, opts.bucket_mb, _batch(1, opts, device),
+                                     _batch(0, opts, device)) for k in ("meshlm", "reference")}
         tokens = opts.batch * opts.seq * dist.get_world_size()
         compute = statistics.median(times["compute"])
 
         def exposed(k):
-            step = statistics.median(times[k])
-            return max(0.0, (step - compute) / step)
+            return exposed_share(statistics.median(times[k]), compute)
 
         rows.append(bench_row(
             f"zero{zero}", dist.get_world_size(), REFERENCES[zero], [tokens / t for t in times["meshlm"]],
@@ -226,10 +214,9 @@ def _parse(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        opts = _parse(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    opts, code = parse_args(_parse, argv)
+    if opts is None:
+        return code
     if "RANK" not in os.environ and opts.nproc < 2:
         print("meshlm bench dp: --nproc must be >= 2 (data parallelism needs ranks)", file=sys.stderr)
         return 2

@@ -109,6 +109,15 @@ def run_and_emit(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int, 
         emit(rows, as_json, **extra, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
 
 
+def parse_args(parse: Callable[[Any], Any], argv) -> tuple[Any, int | None]:
+    """(`parse(argv)`, None), or (None, the exit code argparse asked for: 2 on bad usage, 0 for
+    --help), so a bench's `main` returns the code instead of raising SystemExit."""
+    try:
+        return parse(argv), None
+    except SystemExit as e:
+        return None, int(e.code or 0)
+
+
 def load_average() -> list[float] | None:
     """The machine's 1/5/15-minute load: benchmark numbers on a shared machine need it beside them."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
-from meshlm.train.memtrack import measure_peak_bytes
+from meshlm.bench.timing import alternate, measured_peak, random_batch
 
 IGNORE_INDEX = -100
 
@@ -69,27 +68,41 @@ def dtensor_loss_sum(logits, targets):
 # --------------------------------------------------------------------------- measuring (every rank)
 
 
-def _build(kind: str, cfg, comm, mesh, device):
-    """(model, optimizer, loss function, context manager for the loss) for 'meshlm' or 'dtensor'."""
-    import contextlib
+class TensorParallelEngine:
+    """Tensor parallelism over the whole world (bench/timing.py's engine): kind 'meshlm' or
+    'dtensor', '+sp' for sequence parallelism, on ModelConfig `cfg`; AdamW on this rank's shards."""
 
-    from meshlm.model import Llama, init_weights
-    from meshlm.parallel.tensor import apply_tensor_parallel
+    def __init__(self, kind: str, cfg, comm, mesh, device) -> None:
+        import contextlib
 
-    model = Llama(cfg)
-    init_weights(model, 1234)
-    model.to(device)
-    sp = kind.endswith("+sp")
-    if kind.startswith("meshlm"):
-        tp = apply_tensor_parallel(model, comm, sp)
-        loss_fn, loss_ctx = tp.loss_sum, contextlib.nullcontext
-    else:
-        from torch.distributed.tensor.parallel import loss_parallel
+        from meshlm.model import Llama, init_weights
+        from meshlm.model.loss import token_loss_sum
+        from meshlm.parallel.tensor import apply_tensor_parallel
 
-        dtensor_parallelize(model, mesh, sp)
-        loss_fn, loss_ctx = dtensor_loss_sum, loss_parallel
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    return model, opt, loss_fn, loss_ctx
+        model = Llama(cfg)
+        init_weights(model, 1234)
+        model.to(device)
+        sp = kind.endswith("+sp")
+        if kind.startswith("meshlm"):
+            tp = apply_tensor_parallel(model, comm, sp)  # None at tp=1: the plain model
+            self.loss_fn, self.loss_ctx = (tp.loss_sum if tp else token_loss_sum), contextlib.nullcontext
+        else:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            dtensor_parallelize(model, mesh, sp)
+            self.loss_fn, self.loss_ctx = dtensor_loss_sum, loss_parallel
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+    def step(self, inputs, targets, tokens) -> None:
+        with self.loss_ctx():
+            loss = self.loss_fn(self.model(inputs), targets) / tokens
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state(self):
+        return [*self.model.parameters(), *(v for s in self.optimizer.state.values() for v in s.values())]
 
 
 def _bench_rank(args_dict: dict) -> list[dict]:
@@ -108,49 +121,14 @@ def _bench_rank(args_dict: dict) -> list[dict]:
     mesh = init_device_mesh(ctx.device.type, (world,))
     cfg = resolve(load_config(None, [f"model.preset={a.preset}", "model.tie_embeddings=false",
                                      f"train.seq_len={a.seq_len}", f"parallel.tp={world}"]), world_size=world).model
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len + 1), generator=gen).to(ctx.device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    batch = random_batch(0, a.batch, a.seq_len, cfg.vocab_size, ctx.device)
     rows = []
     for sp in a.sp_modes:
-        pair = {}
-        for kind in (("meshlm+sp", "dtensor+sp") if sp else ("meshlm", "dtensor")):
-            pair[kind] = _build(kind, cfg, comm, mesh, ctx.device)
-        times = {k: [] for k in pair}
-        peaks = {}
-
-        def step(kind):
-            model, opt, loss_fn, loss_ctx = pair[kind]
-            with loss_ctx():
-                loss = loss_fn(model(inputs), targets) / targets.numel()
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for i in range(a.warmup + a.pairs):
-            order = list(pair) if i % 2 == 0 else list(pair)[::-1]  # alternate who goes first
-            for kind in order:
-                model, opt = pair[kind][0], pair[kind][1]
-                if i == a.warmup - 1:  # measure memory once, warm (optimizer state exists)
-                    state = [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
-                    peaks[kind] = measure_peak_bytes(lambda: step(kind), state, ctx.device)
-                    continue
-                dist.barrier()
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step(kind)
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                if i >= a.warmup:
-                    times[kind].append(elapsed.item())
-        peak = {}
-        for kind, value in peaks.items():
-            t = torch.tensor([float(value)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            peak[kind] = int(t.item())
+        pair = {kind: TensorParallelEngine(kind, cfg, comm, mesh, ctx.device)
+                for kind in (("meshlm+sp", "dtensor+sp") if sp else ("meshlm", "dtensor"))}
+        timed = alternate(pair, lambda i: batch, comm, ctx.device, a.warmup, a.pairs)
+        times = {k: [t for t, _ in v] for k, v in timed.items()}
+        peak = {k: measured_peak(e, batch, comm, ctx.device) for k, e in pair.items()}  # warm: optimizer state exists
         mine, ref = list(pair)
         tokens_per_step = a.batch * a.seq_len
         rows.append(bench_row(
