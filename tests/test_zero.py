@@ -126,10 +126,11 @@ def live_tensor_bytes() -> int:
             if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
                 continue
             storage = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - objects that misbehave under isinstance
+            pointer = storage.data_ptr()  # raises for a FakeTensor (torch.compile's, from earlier tests)
+        except Exception:  # noqa: BLE001 - objects that misbehave under isinstance, tensors without memory
             continue
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
+        if pointer not in seen and storage.nbytes():
+            seen.add(pointer)
             total += storage.nbytes()
     return total
 
