@@ -286,3 +286,44 @@ def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
     assert main([*args, "--profile", str(profile), "--no-overhead"]) == 0
     table = capsys.readouterr().out
     assert "busbw(GB/s)" in table and "model measured-gloo-2" in table
+
+
+# --------------------------------------------------------------------------- gloo's reduce-scatter
+
+
+def _p2p_reduce_scatter_rank(n):
+    ctx = ParallelContext(Layout(dp=n))
+    comm, r = Comm(ctx), ctx.rank
+    assert comm._gloo  # the ring path is the one under test
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        # integer values: every summation order gives the same, exact result
+        inputs = [torch.randint(-50, 50, (n * (37 + k),), generator=torch.Generator().manual_seed(10 * r + k))
+                  .to(dtype) for k in range(3)]
+        expected = []
+        for x in inputs:
+            lib = torch.empty(x.numel() // n, dtype=dtype)
+            dist.reduce_scatter_single(lib, x)
+            expected.append(lib)
+        kept = [x.clone() for x in inputs]
+        outs = [torch.empty(x.numel() // n, dtype=dtype) for x in inputs]
+        handles = [comm.reduce_scatter(o, x, "dp", async_op=True) for o, x in zip(outs, inputs)]  # 3 in flight
+        for h in handles:
+            h.wait()
+        results.append(all(torch.equal(o, e) for o, e in zip(outs, expected)))
+        results.append(all(torch.equal(x, k) for x, k in zip(inputs, kept)))  # the input is only read
+        in_place = inputs[0].clone()  # ZeRO's form: the output is this rank's own chunk of the input
+        mine = in_place.view(n, -1)[r]
+        comm.reduce_scatter(mine, in_place, "dp")
+        results.append(torch.equal(mine, expected[0]))
+    strided = torch.arange(8.0 * n)[::2]  # not contiguous: the library op
+    out = torch.empty(4)
+    comm.reduce_scatter(out, strided, "dp")
+    results.append(torch.equal(out, strided[4 * r: 4 * r + 4] * n))
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_reduce_scatter_on_gloo_is_a_p2p_ring_equal_to_the_library_op(n):
+    for results in run_ranks(_p2p_reduce_scatter_rank, n, n):
+        assert all(results), results

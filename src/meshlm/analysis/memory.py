@@ -25,8 +25,8 @@ The model state per engine (N = this rank's parameters, d = dp x cp, p = 2 in bf
                   the root (embeddings, norm, head) from forward to backward, the block being
                   computed, and in backward the next one prefetched
 
-Where the backend matters: gloo's reduce-scatter copies its input (the measured CPU runs show
-it); NCCL's does not. `predict(cfg, backend=...)` takes it; the trainer passes its own.
+Where the backend matters: on gloo the reduce-scatter is meshlm's P2P ring, which receives into
+fp32 scratch chunks (gloo's own copied the whole input); NCCL's needs none. `predict(cfg, backend=...)` takes it; the trainer passes its own.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class _State:
     gathered_loss: float = 0  # ... at the loss's backward
     gathered_backward: float = 0  # ... during a block's backward (with the prefetched one)
     staging: float = 0  # ZeRO-2: the bucket being filled, alive through backward
-    in_flight: float = 0  # ZeRO-2: the bucket being reduced, with gloo's copy (from the blocks' backward on)
+    in_flight: float = 0  # ZeRO-2: the bucket being reduced, with gloo's ring scratch (from the blocks' backward on)
     weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
     reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
     step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
@@ -238,7 +238,10 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     d = p.dp * p.cp
     bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
     item = 2 if bf16 else 4
-    copies = 4 if backend == "gloo" and d > 1 else 0  # bytes per element gloo's reduce-scatter copies
+    # gloo: the reduce-scatter is meshlm's P2P ring (comm/p2p_reduce_scatter.py); the engines reduce
+    # in place (into their own chunk), so it receives into scratch: one fp32 chunk of 1/d of the
+    # input at d = 2, two beyond. NCCL's needs none. Bytes per element of the input:
+    copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
     largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     if p.zero == 0:
@@ -253,7 +256,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
                           reduction=wide + copies * bucket, step=shard_step)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
-        # reduced with gloo's copy of it; the gradient shard exists from the first reduction on.
+        # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
         bucket = min(stage2_bucket_bytes(item * n) // item, n)
         return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, in_flight=(4 + copies) * bucket,
                       weight_grad=item * head,
@@ -267,7 +270,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
                   gathered_backward=item * (root - embedding + 2 * unit) + item * head,
                   weight_grad=item * head,
                   # a unit completes: its gradients flattened into fp32 staging while both gathered
-                  # units stay (gloo's copy of the staging comes after the gradients are dropped)
+                  # units stay (the ring's scratch comes after the gradients are dropped)
                   reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
                   step=2 * 4 * largest / d, grads_early=False, reduces_in_backward=True)
 

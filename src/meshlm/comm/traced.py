@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.comm.cost import rank_traffic
+from meshlm.comm.p2p_reduce_scatter import RingReduceScatter
 from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
 
@@ -98,6 +99,7 @@ class Comm:
         self.recorder = recorder if recorder is not None else FlightRecorder(ctx.rank, capacity)
         self._axes: dict = {}  # axis as the caller spells it -> (label, group, ranks, my index)
         self.desync_next = False  # debug.fault=desync: the next all-reduce reads its bytes as another dtype
+        self._gloo = dist.is_initialized() and dist.get_backend() == "gloo"
 
     # ---- plumbing
 
@@ -175,7 +177,13 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("reduce_scatter", n, me, input.numel(), input.element_size())
         record = self._begin("reduce_scatter", label, n, input, input.numel(), _bytes(input), traffic, async_op=async_op)
-        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        if self._gloo and RingReduceScatter.applies(output, input, op):
+            # gloo's own is an all-reduce plus a copy: twice the bytes (comm/p2p_reduce_scatter.py)
+            work = RingReduceScatter(output, input, group, ranks, me)
+            if not async_op:
+                work.wait()
+        else:
+            work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
     @_eager
