@@ -196,3 +196,19 @@ def test_the_engine_and_its_precision_follow_parallel_zero_and_train_dtype():
     beyond.parallel.zero = 4  # past validation: the engine table itself must refuse it
     with pytest.raises(ValueError, match="parallel.zero must be 0, 1, 2 or 3"):
         build_data_parallel(torch.nn.Linear(2, 2), beyond, comm=None)
+
+
+def test_gradient_upcast_is_one_cast_per_run_of_adjacent_segments():
+    from meshlm.parallel.mixed_precision import upcast_runs
+
+    flat = torch.randn(20).bfloat16()
+    other = torch.randn(6).bfloat16()
+    grads = [flat[0:3], flat[3:7], flat[9:12], flat[12:13], torch.randn(4), other[::2], other[1:3]]
+    dtypes = [torch.float32] * len(grads)
+    out = upcast_runs(grads, dtypes)
+    for g, o in zip(grads, out):
+        assert o.dtype == torch.float32 and torch.equal(o, g.float())
+    storage = [o.untyped_storage().data_ptr() for o in out]
+    assert storage[0] == storage[1] != storage[2] == storage[3]  # a gap at 7:9 starts a new run
+    assert out[4] is grads[4]  # already fp32: passed as is
+    assert len(set(storage)) == 5  # runs {0,1}, {2,3}, the fp32 one, the strided one, other's

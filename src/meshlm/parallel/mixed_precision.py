@@ -107,11 +107,9 @@ class SegmentAdamW:
     @torch.no_grad()
     def step(self, lr: float, scale: torch.Tensor | None) -> None:
         """AdamW on every segment; `scale` (a 0-d tensor) multiplies the gradients first (clipping)."""
-        grads = []
-        for s in self.segments:
-            g = s.grad
-            s.master.grad = g if g.dtype == s.master.dtype else g.to(s.master.dtype)
-            grads.append(s.master.grad)
+        grads = upcast_runs([s.grad for s in self.segments], [s.master.dtype for s in self.segments])
+        for s, g in zip(self.segments, grads):
+            s.master.grad = g
         if scale is not None:  # in place, one multi-tensor op: clip_grad_norm_'s arithmetic; grads are zeroed next
             torch._foreach_mul_(grads, scale)
         for group in self.optimizer.param_groups:
@@ -123,6 +121,38 @@ class SegmentAdamW:
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def upcast_runs(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Each gradient in its master's dtype, cast with one kernel per run of segments that lie back
+    to back in one buffer (a bucket's shard) instead of one per segment: a few launches per step
+    rather than one per parameter on a GPU, and the same fp32 bytes. Same-dtype ones pass as is."""
+    out: list[torch.Tensor | None] = [g if g.dtype == d else None for g, d in zip(grads, dtypes)]
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            first, last = grads[run[0]], grads[run[-1]]
+            n = last.storage_offset() + last.numel() - first.storage_offset()
+            wide = first.as_strided((n,), (1,)).to(dtypes[run[0]])
+            for i in run:
+                at = grads[i].storage_offset() - first.storage_offset()
+                out[i] = wide[at: at + grads[i].numel()]
+            run.clear()
+
+    for i, (g, d) in enumerate(zip(grads, dtypes)):
+        if out[i] is not None:
+            continue
+        prev = grads[run[-1]] if run else None
+        if prev is None or not (g.is_contiguous() and prev.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
+                                and prev.storage_offset() + prev.numel() == g.storage_offset() and dtypes[run[-1]] == d):
+            flush()
+        if g.is_contiguous():
+            run.append(i)
+        else:
+            out[i] = g.to(d)
+    flush()
+    return out
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
