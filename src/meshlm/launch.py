@@ -58,7 +58,8 @@ def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwar
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if ranks_can_fork():
+    forked = ranks_can_fork()
+    if forked:
         # Read where this process's command line lies before the agent's environment changes move
         # it (each rank renames itself with it: `forked_rank`).
         import setproctitle  # noqa: F401
@@ -69,7 +70,6 @@ def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwar
     # The launcher already used the tokenizers thread pool; ranks need none of it.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = get_args_parser().parse_args(torchrun_args(nproc, module, module_args, **kwargs))
-    forked = ranks_can_fork()
     presses, forwarded = 0, []
 
     def forward_to_ranks(signum) -> bool:
