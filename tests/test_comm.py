@@ -288,13 +288,24 @@ def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
     assert "busbw(GB/s)" in table and "model measured-gloo-2" in table
 
 
-# --------------------------------------------------------------------------- gloo's reduce-scatter
+# --------------------------------------------------------------------------- gloo's rings
 
 
-def _p2p_reduce_scatter_rank(n):
+def _gloo_rings_rank(n):
+    from meshlm.comm import traced
+
     ctx = ParallelContext(Layout(dp=n))
     comm, r = Comm(ctx), ctx.rank
-    assert comm._gloo  # the ring path is the one under test
+    started = {"rs": 0, "ag": 0}
+
+    def counting(cls, key):
+        def start(*args):
+            started[key] += 1
+            return cls(*args)
+        return start
+
+    traced.RingReduceScatter = counting(traced.RingReduceScatter, "rs")
+    traced.RingAllGather = counting(traced.RingAllGather, "ag")
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         # integer values: every summation order gives the same, exact result
@@ -316,14 +327,39 @@ def _p2p_reduce_scatter_rank(n):
         mine = in_place.view(n, -1)[r]
         comm.reduce_scatter(mine, in_place, "dp")
         results.append(torch.equal(mine, expected[0]))
+
+        gathered = [torch.empty(x.numel(), dtype=dtype) for x in inputs]
+        lib_gathered = [torch.empty(x.numel(), dtype=dtype) for x in inputs]
+        for g, x in zip(lib_gathered, inputs):
+            dist.all_gather_single(g, x.view(n, -1)[r].contiguous())
+        handles = [comm.all_gather(g, x.view(n, -1)[r], "dp", async_op=True) for g, x in zip(gathered, inputs)]
+        for h in handles:
+            h.wait()
+        results.append(all(torch.equal(g, e) for g, e in zip(gathered, lib_gathered)))
+        own = torch.zeros_like(inputs[1])  # ZeRO/FSDP's form: the input is this rank's chunk of the output
+        own.view(n, -1)[r].copy_(inputs[1].view(n, -1)[r])
+        comm.all_gather(own, own.view(n, -1)[r], "dp")
+        results.append(torch.equal(own, lib_gathered[1]))
     strided = torch.arange(8.0 * n)[::2]  # not contiguous: the library op
     out = torch.empty(4)
     comm.reduce_scatter(out, strided, "dp")
     results.append(torch.equal(out, strided[4 * r: 4 * r + 4] * n))
+    results.append(started == {"rs": 2 * 4, "ag": 2 * 4})  # every contiguous op above took a ring
     return results
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_reduce_scatter_on_gloo_is_a_p2p_ring_equal_to_the_library_op(n):
-    for results in run_ranks(_p2p_reduce_scatter_rank, n, n):
+def test_reduce_scatter_and_all_gather_on_gloo_are_p2p_rings_equal_to_the_library_ops(n, monkeypatch):
+    from meshlm.comm import gloo_rings
+
+    monkeypatch.setattr(gloo_rings, "RING_MIN_BYTES", 0)  # rings at every size (the forked ranks inherit it)
+    for results in run_ranks(_gloo_rings_rank, n, n):
         assert all(results), results
+
+
+def test_beyond_two_ranks_small_messages_keep_gloos_op():
+    from meshlm.comm.gloo_rings import RING_MIN_BYTES, worth_a_ring
+
+    t = torch.empty(8)
+    assert worth_a_ring(2, 32, t) and not worth_a_ring(3, RING_MIN_BYTES - 1, t) and worth_a_ring(3, RING_MIN_BYTES, t)
+    assert not worth_a_ring(2, 32, torch.empty(8, 2).t())  # not contiguous

@@ -238,7 +238,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     d = p.dp * p.cp
     bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
     item = 2 if bf16 else 4
-    # gloo: the reduce-scatter is meshlm's P2P ring (comm/p2p_reduce_scatter.py); the engines reduce
+    # gloo: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines reduce
     # in place (into their own chunk), so it receives into scratch: one fp32 chunk of 1/d of the
     # input at d = 2, two beyond. NCCL's needs none. Bytes per element of the input:
     copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0

@@ -7,8 +7,8 @@ Costs: 2(n-1) sequential steps, each paying the latency alpha: small messages ge
 These exist to teach and to validate the cost model (`meshlm.comm.cost`): the tests check they
 equal the library collectives and count the bytes they send against the formulas. Training
 uses the library collectives through `meshlm.comm.Comm`, which are the same algorithm, tuned,
-except gloo's reduce-scatter (an all-reduce in disguise), which Comm replaces by the
-asynchronous ring of `comm/p2p_reduce_scatter.py`.
+except gloo's reduce-scatter (an all-reduce in disguise) and all-gather (through a temporary),
+which Comm replaces by the asynchronous rings of `comm/gloo_rings.py`.
 
 The picture, n = 4 ranks, tensor cut into chunks c0..c3 (ring: 0 -> 1 -> 2 -> 3 -> 0):
 
