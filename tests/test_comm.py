@@ -349,17 +349,6 @@ def _gloo_rings_rank(n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_reduce_scatter_and_all_gather_on_gloo_are_p2p_rings_equal_to_the_library_ops(n, monkeypatch):
-    from meshlm.comm import gloo_rings
-
-    monkeypatch.setattr(gloo_rings, "RING_MIN_BYTES", 0)  # rings at every size (the forked ranks inherit it)
+def test_reduce_scatter_and_all_gather_on_gloo_are_p2p_rings_equal_to_the_library_ops(n):
     for results in run_ranks(_gloo_rings_rank, n, n):
         assert all(results), results
-
-
-def test_beyond_two_ranks_small_messages_keep_gloos_op():
-    from meshlm.comm.gloo_rings import RING_MIN_BYTES, worth_a_ring
-
-    t = torch.empty(8)
-    assert worth_a_ring(2, 32, t) and not worth_a_ring(3, RING_MIN_BYTES - 1, t) and worth_a_ring(3, RING_MIN_BYTES, t)
-    assert not worth_a_ring(2, 32, torch.empty(8, 2).t())  # not contiguous

@@ -230,7 +230,6 @@ class _State:
 
 
 def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
-    from meshlm.comm.gloo_rings import RING_MIN_BYTES
     from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
     from meshlm.parallel.zero import stage2_bucket_bytes
 
@@ -239,14 +238,10 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     d = p.dp * p.cp
     bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
     item = 2 if bf16 else 4
-    def copies(elements: int) -> float:
-        """Bytes per element of an fp32 reduce-scatter's input that it allocates. gloo: meshlm's P2P
-        ring (comm/gloo_rings.py) at d = 2 or from RING_MIN_BYTES up; the engines reduce in place
-        (into their own chunk), so it receives into scratch: one chunk of 1/d at d = 2, two beyond.
-        Smaller ones beyond two ranks: gloo's op, which copies its input. NCCL's needs none."""
-        if backend != "gloo" or d == 1:
-            return 0
-        return 4 * min(2, d - 1) / d if d == 2 or 4 * elements >= RING_MIN_BYTES else 4
+    # gloo: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines reduce in
+    # place (into their own chunk), so it receives into fp32 scratch: one chunk of 1/d of the input
+    # at d = 2, two beyond. NCCL's needs none. Bytes per element of the input:
+    copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
 
     largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
@@ -257,16 +252,20 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     if p.zero in (1, 2):
         bucket = min(DEFAULT_BUCKET_BYTES // item, n)
         shard_step = fp32_grads + 2 * 4 * largest / d
+        # A bucket never splits a parameter: the first one reduced holds at least the head, the last
+        # one the embedding, however small the nominal size (for `1b`, 262M elements each).
+        first, last = max(bucket, head), max(bucket, counts["embedding"])
         if p.zero == 1:
-            wide = 4 * bucket if bf16 else 0  # the bucket's fp32 copy for the reduction
+            wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
-                          reduction=wide + copies(bucket) * bucket, step=shard_step)
+                          reduction=wide + copies * last, step=shard_step)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
         # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
         bucket = min(stage2_bucket_bytes(item * n) // item, n)
-        return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket, in_flight=(4 + copies(bucket)) * bucket,
-                      weight_grad=item * head,
-                      reduction=(4 + copies(bucket)) * bucket, step=shard_step)
+        first, last = max(bucket, head), max(bucket, counts["embedding"])
+        return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket,
+                      in_flight=(4 + copies) * first, weight_grad=item * head,
+                      reduction=(4 + copies) * last, step=shard_step)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
@@ -277,7 +276,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
                   weight_grad=item * head,
                   # a unit completes: its gradients flattened into fp32 staging while both gathered
                   # units stay (the ring's scratch comes after the gradients are dropped)
-                  reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies(unit)) * unit,
+                  reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
                   step=2 * 4 * largest / d, grads_early=False, reduces_in_backward=True)
 
 

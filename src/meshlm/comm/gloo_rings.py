@@ -4,9 +4,10 @@ Reduces: gloo's own costs: its reduce-scatter is an all-reduce of the whole inpu
 against 18 and 13 ms here. Costs: n-1 dependent exchanges driven from Python: only the first
 runs in the background before `wait()`, the rest inside it, each paying P2P's latency.
 
-NCCL's collectives already are these rings (in kernels), so CUDA runs keep the library ops. So do
-small messages over more than two ranks (`worth_a_ring`), where n-1 latencies cost more than the
-bytes saved.
+NCCL's collectives already are these rings (in kernels), so CUDA runs keep the library ops. Beyond
+two ranks a small message pays n-1 P2P latencies from Python where gloo pays its own from C++;
+not measured here (more ranks than cores), and the rings are used at every size all the same: one
+path, whose memory the model and the CPU tracker both see (gloo's internal copies are invisible).
 
 The rings, as in comm/ring.py, with `chunks` the n equal slices:
   reduce-scatter, step s: rank r sends its partial sum of chunk r-s-1 to r+1 and adds what arrives
@@ -28,12 +29,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-RING_MIN_BYTES = 1 << 20  # beyond two ranks, smaller messages keep the library op
-
-
-def worth_a_ring(n: int, nbytes: int, *tensors: torch.Tensor) -> bool:
-    """Whether a ring beats gloo's op: contiguous flat tensors, and two ranks or a large message."""
-    return all(t.is_contiguous() for t in tensors) and nbytes > 0 and (n == 2 or nbytes >= RING_MIN_BYTES)
+def ring_applies(*tensors: torch.Tensor) -> bool:
+    """Contiguous, non-empty tensors (anything else keeps gloo's op)."""
+    return all(t.is_contiguous() and t.numel() > 0 for t in tensors)
 
 
 class _Ring:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.comm.cost import rank_traffic
-from meshlm.comm.gloo_rings import RingAllGather, RingReduceScatter, worth_a_ring
+from meshlm.comm.gloo_rings import RingAllGather, RingReduceScatter, ring_applies
 from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
 
@@ -160,7 +160,7 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("all_gather", n, me, output.numel(), output.element_size())
         record = self._begin("all_gather", label, n, output, output.numel(), _bytes(output), traffic, async_op=async_op)
-        if self._gloo and worth_a_ring(n, _bytes(output), output, input):
+        if self._gloo and ring_applies(output, input):
             # gloo's own gathers into a temporary and copies out (comm/gloo_rings.py)
             work = RingAllGather(output, input, group, ranks, me)
             if not async_op:
@@ -183,7 +183,7 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("reduce_scatter", n, me, input.numel(), input.element_size())
         record = self._begin("reduce_scatter", label, n, input, input.numel(), _bytes(input), traffic, async_op=async_op)
-        if self._gloo and op == ReduceOp.SUM and worth_a_ring(n, _bytes(input), output, input):
+        if self._gloo and op == ReduceOp.SUM and ring_applies(output, input):
             # gloo's own is an all-reduce plus copies: twice the bytes (comm/gloo_rings.py)
             work = RingReduceScatter(output, input, group, ranks, me)
             if not async_op:
