@@ -72,6 +72,7 @@ def test_a_slow_rank_is_named_as_the_straggler_and_the_run_finishes(corpus, tmp_
     # rank 0's waiting for rank 1 is not counted as its work: the 0.3 s sleep shows as the gap
     # (half of it at least; without the blocked-time accounting the gap would be about zero)
     assert all(r["slowest_rank_s"] > r["fastest_rank_s"] + 0.15 for r in rows)
-    # ... and is exposed communication: rank 0 blocked ~0.3 s in each step's collectives (the
-    # ranks' mean at least half of it), a share of the step below 1
-    assert all(r["comm_exposed_s"] > 0.15 and 0 < r["comm_exposed_share"] < 1 for r in rows)
+    # ... and is exposed communication: rank 0 blocked ~0.3 s in each step's collectives, rank 1
+    # about none, so the ranks' mean is ~0.15 s (measured 0.149-0.156; with rank 0's time dropped it
+    # would be ~0); a share of the step below 1
+    assert all(r["comm_exposed_s"] > 0.1 and 0 < r["comm_exposed_share"] < 1 for r in rows)
