@@ -305,7 +305,7 @@ def _gloo_rings_rank(n):
         return start
 
     traced.RingReduceScatter = counting(traced.RingReduceScatter, "rs")
-    traced.RingAllGather = counting(traced.RingAllGather, "ag")
+    traced.DirectAllGather = counting(traced.DirectAllGather, "ag")
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         # integer values: every summation order gives the same, exact result

@@ -1,8 +1,8 @@
-"""Reduce-scatter and all-gather on gloo as rings of point-to-point exchanges (what `Comm` runs there).
+"""Reduce-scatter and all-gather on gloo as point-to-point exchanges (what `Comm` runs there).
 Reduces: gloo's own costs: its reduce-scatter is an all-reduce of the whole input plus copies
 (2(n-1)/n x S per rank), its all-gather goes through a temporary; 32 MiB on 2 ranks: 52 and 43 ms
-against 18 and 13 ms here. Costs: n-1 dependent exchanges driven from Python: only the first
-runs in the background before `wait()`, the rest inside it, each paying P2P's latency.
+against 18 and 13 ms here. Costs: the reduce-scatter is a ring of n-1 dependent exchanges driven
+from Python: only the first runs in the background before `wait()`, the rest inside it.
 
 NCCL's collectives already are these rings (in kernels), so CUDA runs keep the library ops. Beyond
 two ranks a small message pays n-1 P2P latencies from Python where gloo pays its own from C++;
@@ -16,8 +16,11 @@ The rings, as in comm/ring.py, with `chunks` the n equal slices:
   in turn (the one just sent is free for the next receive); the last step receives straight into
   `output` (at n = 2, the only step: no scratch), unless `output` is this rank's own chunk of
   `input` (ZeRO's in-place form), whose value the last addition still needs. The input is only read.
-  all-gather, step s: rank r forwards chunk r-s to r+1 and receives chunk r-s-1 from r-1, straight
-  into its place in `output`: no scratch at all.
+  all-gather: not a ring but every rank sending its chunk to every other at once, received straight
+  into its place in `output`: the same (n-1)/n x S per rank as a ring, no scratch, and no step
+  depends on another, so all of it runs in the background (a ring's step s would forward what
+  step s-1 received). On a switch or a loopback every pair has its own path; NCCL keeps rings
+  for the links of a real bus.
 
 Every rank of a group starts the same rings in the same order, and gloo matches the messages
 between two ranks, per tag, in the order they were posted: rings in flight at once (ZeRO's
@@ -86,28 +89,27 @@ class RingReduceScatter(_Ring):
             self._exchange(received, self._receive_buffer())
 
 
-class RingAllGather(_Ring):
-    """A started ring all-gather of every rank's `input` into `output` [n x input's numel]."""
+class DirectAllGather:
+    """A started all-gather of every rank's `input` into `output` [n x input's numel]: this rank's
+    chunk sent to each other rank, theirs received into place, all posted at once."""
 
     TAG = 2
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, group, ranks: list[int], me: int):
-        super().__init__(group, ranks, me)
-        self.chunks = output.view(self.n, -1)
-        if self.chunks[me].data_ptr() != input.data_ptr():
-            self.chunks[me].copy_(input.view(-1))
-        self._post()
-
-    def _post(self) -> None:
-        self._exchange(self.chunks[(self.me - self.step) % self.n], self.chunks[(self.me - self.step - 1) % self.n])
+        chunks = output.view(len(ranks), -1)
+        if chunks[me].data_ptr() != input.data_ptr():
+            chunks[me].copy_(input.view(-1))
+        ops = []
+        for i, peer in enumerate(ranks):
+            if i != me:
+                ops += [dist.P2POp(dist.isend, chunks[me], peer, group, self.TAG),
+                        dist.P2POp(dist.irecv, chunks[i], peer, group, self.TAG)]
+        self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
-        while self._received():
-            self.step += 1
-            if self.step == self.n - 1:
-                self._works = None
-                return
-            self._post()
+        for work in self._works:
+            work.wait()
+        self._works = []
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

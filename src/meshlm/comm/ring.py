@@ -8,7 +8,7 @@ These exist to teach and to validate the cost model (`meshlm.comm.cost`): the te
 equal the library collectives and count the bytes they send against the formulas. Training
 uses the library collectives through `meshlm.comm.Comm`, which are the same algorithm, tuned,
 except gloo's reduce-scatter (an all-reduce in disguise) and all-gather (through a temporary),
-which Comm replaces by the asynchronous rings of `comm/gloo_rings.py`.
+which Comm replaces by the asynchronous P2P exchanges of `comm/gloo_rings.py`.
 
 The picture, n = 4 ranks, tensor cut into chunks c0..c3 (ring: 0 -> 1 -> 2 -> 3 -> 0):
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.comm.cost import rank_traffic
-from meshlm.comm.gloo_rings import RingAllGather, RingReduceScatter, ring_applies
+from meshlm.comm.gloo_rings import DirectAllGather, RingReduceScatter, ring_applies
 from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
 
@@ -162,7 +162,7 @@ class Comm:
         record = self._begin("all_gather", label, n, output, output.numel(), _bytes(output), traffic, async_op=async_op)
         if self._gloo and ring_applies(output, input):
             # gloo's own gathers into a temporary and copies out (comm/gloo_rings.py)
-            work = RingAllGather(output, input, group, ranks, me)
+            work = DirectAllGather(output, input, group, ranks, me)
             if not async_op:
                 work.wait()
         else:
