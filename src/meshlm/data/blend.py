@@ -132,12 +132,8 @@ class BlendLoader(TokenLoader):
         self.n_windows = sum(loader.n_windows for loader in self.corpora)
         self.next_step = 0
 
-    def _rows(self, step: int, first_row: int, count: int):
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        self.next_step = max(self.next_step, step + 1)
-        samples = np.arange(step * self.global_batch_size + first_row, step * self.global_batch_size + first_row + count)
-        corpus, local = self.sampler.assign(samples)
+    def _samples(self, first: int, count: int):
+        corpus, local = self.sampler.assign(np.arange(first, first + count))
         inputs = torch.empty(count, self.seq_len, dtype=torch.int64)
         targets = torch.empty(count, self.seq_len, dtype=torch.int64)
         for c in np.unique(corpus):

@@ -32,7 +32,7 @@ embedding during the loss and the head's backward, where the logits peak.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -40,85 +40,12 @@ from torch import nn
 from meshlm.comm import Comm
 from meshlm.config import TrainConfig
 from meshlm.parallel.ddp import named_state
-from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, round_up, weak_hook
-from meshlm.parallel.fsdp_units import WrapPolicy, by_class, by_size, choose_units  # noqa: F401 (by_class, by_size: API)
+from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, weak_hook
+from meshlm.parallel.fsdp_units import (Unit, ValueSource, WrapPolicy, by_class, by_size,  # noqa: F401 (by_*: API)
+                                        choose_units, values_from_parameters)
 from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, storage_bytes
-from meshlm.parallel.sharded_init import repoint
 
 _engine = torch.autograd.Variable._execution_engine
-
-# (slot, lo, hi) -> elements [lo, hi) of the slot's parameter, flat: where a unit's shard comes from.
-ValueSource = Callable[[Slot, int, int], torch.Tensor]
-
-
-def values_from_parameters(slot: Slot, lo: int, hi: int) -> torch.Tensor:
-    return slot.param.detach().reshape(-1)[lo:hi]
-
-
-class Unit:
-    """One flat-parameter unit: this rank's fp32 shard, its gradient shard, the unsharded buffer.
-
-    Only the shard is ever built here: `values(slot, lo, hi)` gives elements [lo, hi) of a
-    slot's parameter (read from the parameter, or drawn by sharded_init for a meta-device model),
-    and the unsharded buffer gets storage only at the first gather. Until then each parameter is
-    a zero-stride placeholder of the right shape, so construction never holds a whole unit.
-    """
-
-    def __init__(self, index: int, name: str, slots: list[Slot], n: int, rank: int, precision: MixedPrecision,
-                 device: torch.device, values: "ValueSource") -> None:
-        self.index, self.name, self.slots, self.precision = index, name, slots, precision
-        numel = slots[-1].end
-        self.padded = round_up(numel, n)
-        self.lo, self.hi = rank * self.padded // n, (rank + 1) * self.padded // n
-        self.shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)  # fp32 master slice
-        with torch.no_grad():
-            for s in slots:
-                a, z = max(self.lo, s.start), min(self.hi, s.end)
-                if a < z:
-                    self.shard[a - self.lo: z - self.lo] = values(s, a - s.start, z - s.start)
-            placeholder = torch.zeros(1, dtype=precision.param_dtype, device=device)
-            for s in slots:
-                repoint(s.param, placeholder.expand(s.shape))
-        self.grad_shard: torch.Tensor | None = None  # allocated by the first reduce-scatter of a step
-        self.full = torch.empty(0, dtype=precision.param_dtype, device=device)  # storage: see `bind`
-        self.itemsize = self.full.element_size()
-        self.bound = False
-        self.handle = None  # the all-gather in flight
-        self.gathered = False
-        self.trimmed = False  # gathered, but the storage cut to its first `tail` elements
-        self.tail = numel  # embedding weights (root only) start here; numel: none
-
-    def bind(self) -> None:
-        """Give the unsharded buffer its storage and make the parameters views of it (first
-        gather). From then on its storage is resized, never replaced, so the parameters (and
-        autograd's saved references to them) stay views of whatever is gathered into it."""
-        self.full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
-        for s in self.slots:
-            repoint(s.param, self.full[s.start: s.end].view(s.shape))
-        self.bound = True
-
-    def trim(self) -> None:
-        """Drop the buffer's tail (embedding weights no backward reads): shrink the storage."""
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-        self.full.untyped_storage().resize_(self.tail * self.itemsize)
-        self.trimmed = True
-
-    def grads(self) -> torch.Tensor:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)
-        return self.grad_shard
-
-    def free(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-        if self.bound:
-            self.full.untyped_storage().resize_(0)
-        self.gathered = False
-        self.trimmed = False
-
 
 class FullyShardedDataParallel:
     dp_sharded = True

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.comm import Comm
-from meshlm.model.loss import IGNORE_INDEX, ChunkedCrossEntropy  # noqa: F401 (IGNORE_INDEX: re-exported)
+from meshlm.model.loss import ChunkedCrossEntropy
 from meshlm.parallel.tensor_layers import (TP, ParallelRegion, _ReduceFromTensorParallel, _ReduceScatterToSequence,
                                            mark_tp_sharded, shard_rows)
 

@@ -93,11 +93,6 @@ def cache_root(data_cfg: DataConfig) -> Path:
     return Path(root).expanduser()
 
 
-def corpus_documents(data_cfg: DataConfig, *, log: Callable[[str], None] = print) -> list[tuple[str, str]]:
-    """The corpus as (name, text) pairs in sorted name order, downloading the default one if needed."""
-    return list(find_corpus(data_cfg, log=log).documents())
-
-
 def find_corpus(data_cfg: DataConfig, *, log: Callable[[str], None] = print, path: str | None = None) -> Corpus:
     """Resolve data.path (or `path`, one corpus of a blend, or the default corpus) without reading it."""
     path = path if path is not None else data_cfg.path

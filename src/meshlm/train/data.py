@@ -36,8 +36,8 @@ from tokenizers import Tokenizer
 
 from meshlm.config import ConfigError, DataConfig
 from meshlm.data.cache import cache_key, content_digest, is_complete
-from meshlm.data.encode import default_workers, split_document  # noqa: F401 (split_document: re-exported)
-from meshlm.data.prepare import DATA_FORMAT_VERSION, BuildPlan, build, token_dtype  # noqa: F401
+from meshlm.data.encode import default_workers
+from meshlm.data.prepare import DATA_FORMAT_VERSION, BuildPlan, build
 from meshlm.train.corpus import cache_root, find_corpus
 from meshlm.train.tokenizer import TOKENIZER_ALGORITHM, load_pretrained, load_tokenizer
 
@@ -207,8 +207,11 @@ class TokenLoader:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.next_step = max(self.next_step, step + 1)
-        ids = self.window_ids(step * self.global_batch_size + first_row, count)
-        return _gather_windows(self.tokens, ids, self.seq_len)
+        return self._samples(step * self.global_batch_size + first_row, count)
+
+    def _samples(self, first: int, count: int) -> Batch:
+        """(inputs, targets) of global samples first .. first+count-1."""
+        return _gather_windows(self.tokens, self.window_ids(first, count), self.seq_len)
 
     def global_batch(self, step: int) -> Batch:
         """(inputs, targets) of the whole global batch of `step`, each [G, seq_len] int64."""
