@@ -27,6 +27,30 @@ from meshlm.train.trainer import IGNORE_INDEX
 GLOBAL_BATCH = 8
 
 
+@contextlib.contextmanager
+def poisoned_empty():
+    """`torch.empty` and `torch.empty_like` return NaN-filled floating tensors inside the block:
+    code that reads memory it never wrote (an uninitialised gradient buffer read before every
+    gradient arrived) then fails loudly instead of passing on whatever the allocator handed back,
+    which on a fresh page happens to be zeros."""
+    import torch
+
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() and not t.is_meta else t
+
+    def empty(*args, **kwargs):
+        # A `with torch.device(...)` block only reaches the real torch.empty by name: pass its device on.
+        if kwargs.get("device") is None:
+            kwargs["device"] = torch.get_default_device()
+        return poison(real_empty(*args, **kwargs))
+
+    with mock.patch.object(torch, "empty", empty), \
+            mock.patch.object(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k))):
+        yield
+
+
 def write_offline_corpus(root: Path) -> Path:
     """~0.5 MB of English from the standard library's documentation: no network in tests."""
     root.mkdir(parents=True, exist_ok=True)

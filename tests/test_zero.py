@@ -15,7 +15,8 @@ from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
 from meshlm.model.loss import token_loss_sum
 
-from helpers import UnevenlyMaskedLoader, build_trainer, plain_pytorch_reference, small_cfg, target_counts
+from helpers import (UnevenlyMaskedLoader, build_trainer, plain_pytorch_reference, poisoned_empty, small_cfg,
+                     target_counts)
 
 STEPS = 5
 # The first optimizer a process builds imports torch._dynamo (seconds); do it once here, so the
@@ -39,7 +40,8 @@ def trainer_run(cfg, loader_cls=None, n_steps=STEPS):
 
 def _rank(corpus, run_dir, world_size, zero, loader_cls=UnevenlyMaskedLoader, n_steps=STEPS, extra=()):
     cfg = make_cfg(corpus, run_dir, world_size, f"parallel.zero={zero}", *extra)
-    return trainer_run(cfg, loader_cls, n_steps)
+    with poisoned_empty():  # the engines' buffers are torch.empty: nothing may read them unwritten
+        return trainer_run(cfg, loader_cls, n_steps)
 
 
 def assert_matches(reference, got, grad_tol=1e-6, param_tol=1e-5):

@@ -84,27 +84,49 @@ class DDP:
                 self.master[s.start: s.end].copy_(s.param.detach().reshape(-1))
 
     def _grad_storage(self) -> torch.Tensor:
-        """The flat gradient buffer, allocated (zeroed) on first use in a step, with every
-        parameter that has no gradient yet pointed at its view, so autograd accumulates in place.
-        Allocating it only when backward starts keeps it out of the forward's activation peak."""
+        """The flat gradient buffer, allocated on first use in a step. Allocating it only when
+        backward starts keeps it out of the forward's activation peak.
+
+        It is left uninitialised: each parameter's first gradient of the step is copied into its
+        view (`_adopt_grad`); zeroing the whole buffer and letting autograd add into it would
+        cost a fill and a read-modify-write pass over every gradient. Zeroed here: the slots of
+        parameters found unused on the first step, whose bucket goes on the wire without them
+        (under no_sync, "unused" can also mean "reduced by another backward": a gradient that
+        arrives later is added). Bucket padding holds whatever it holds: no optimizer segment,
+        norm or gathered value reads it."""
         if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
-            for s in self.layout.slots:
-                if s.param.grad is None:
-                    s.param.grad = self.grad_buffer[s.start: s.end].view(s.shape)
+            self.grad_buffer = torch.empty(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
+            self._unwritten = {id(s.param): s for s in self.layout.slots}
+            with torch.no_grad():
+                for key in self.tracker.unused:
+                    slot = self._unwritten.pop(key)
+                    self.grad_buffer[slot.start: slot.end].zero_()
         return self.grad_buffer
 
     def _ensure_grads(self) -> None:
+        """Every parameter's .grad is its buffer view; those no gradient reached hold zeros."""
         self._grad_storage()
+        with torch.no_grad():
+            for slot in self._unwritten.values():
+                self.grad_buffer[slot.start: slot.end].zero_()
+            self._unwritten.clear()
+            for s in self.layout.slots:
+                if s.param.grad is None:
+                    s.param.grad = self.grad_buffer[s.start: s.end].view(s.shape)
 
     def _adopt_grad(self, param: torch.Tensor) -> None:
-        """Make param.grad the buffer's view (adding in a gradient autograd allocated elsewhere)."""
+        """Make param.grad the buffer's view: the step's first gradient of `param` is copied in,
+        a later one (or one into a slot zeroed up front) added."""
+        grad = param.grad
+        self._grad_storage()
+        slot = self._unwritten.pop(id(param), None)
         s = self._slot_of[id(param)]
-        view = self._grad_storage()[s.start: s.end].view(s.shape)
-        if param.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.add_(param.grad)
-            param.grad = view
+        view = self.grad_buffer[s.start: s.end].view(s.shape)
+        if grad.data_ptr() == view.data_ptr():
+            return  # autograd already accumulated in place
+        with torch.no_grad():
+            view.copy_(grad) if slot is not None else view.add_(grad)
+        param.grad = view
 
     def _master_segments(self) -> list[MasterSegment]:
         out = []
@@ -206,6 +228,8 @@ class DDP:
     def _full_values(self, grads: bool) -> dict[int, torch.Tensor]:
         """id(param) -> its full fp32 value (or reduced gradient). Collective in sharded engines."""
         out = {}
+        if grads:
+            self._ensure_grads()
         for s in self.layout.slots:
             src = self._grad_storage() if grads else (self.master if self.master is not None else None)
             value = s.param.detach() if src is None else src[s.start: s.end].view(s.shape)

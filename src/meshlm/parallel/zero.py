@@ -106,7 +106,7 @@ class ZeroDataParallel(DDP):
         return self.grad_shard
 
     def _ensure_grads(self) -> None:
-        self._grad_storage() if self.stage == 1 else self._shard_grads()
+        super()._ensure_grads() if self.stage == 1 else self._shard_grads()
 
     def _grad_slice(self, bucket) -> torch.Tensor:
         if self.stage == 1:
