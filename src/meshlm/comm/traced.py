@@ -17,6 +17,7 @@ names groups by parallel axis: `comm.all_reduce(t, "dp")`, `comm.all_gather(out,
 
 from __future__ import annotations
 
+import os
 import time
 from typing import NamedTuple, Sequence
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.comm.cost import rank_traffic
+from meshlm.comm import shared_memory
 from meshlm.comm.gloo_rings import DirectAllGather, RingReduceScatter, ring_applies
 from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
@@ -100,6 +102,10 @@ class Comm:
         self._axes: dict = {}  # axis as the caller spells it -> (label, group, ranks, my index)
         self.desync_next = False  # debug.fault=desync: the next all-reduce reads its bytes as another dtype
         self._gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        # Groups on one host all-reduce through shared memory (comm/shared_memory.py), unless
+        # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE): label -> its window, or None for gloo's op.
+        self._windows: dict[str, shared_memory.SharedWindow | None] = {}
+        self._shared_memory = self._gloo and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0")
 
     # ---- plumbing
 
@@ -144,8 +150,21 @@ class Comm:
             tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        window = self._window(label, group, ranks, me) if self._shared_memory and shared_memory.applies(tensor, op) \
+            else None
+        if window is not None:
+            work = shared_memory.DeferredAllReduce(window, tensor)
+            if not async_op:
+                work.wait()
+        else:
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
+
+    def _window(self, label, group, ranks, me) -> shared_memory.SharedWindow | None:
+        """The group's shared-memory window; opened (collectively) by its first eligible op."""
+        if label not in self._windows:
+            self._windows[label] = shared_memory.SharedWindow.open(group, ranks, me)
+        return self._windows[label]
 
     @_eager
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: AxesLike, async_op: bool = False):

@@ -1,0 +1,93 @@
+"""The shared-memory all-reduce (comm/shared_memory.py) against gloo's own: equal at every world
+size (integer values, so every summation order gives the same sum), bit-identical on every rank,
+across chunk boundaries and uneven parts; the window is used only where it may be, and nothing is
+left in /dev/shm."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm.comm import Comm, shared_memory
+from meshlm.config import load_config
+from meshlm.mesh import ParallelContext
+from meshlm.testing import run_ranks
+
+SLOT = shared_memory.MIN_WINDOW_BYTES  # 1 MiB slots: a few MiB take several chunks
+
+
+def _integers(numel, seed, dtype=torch.float32):
+    return torch.randint(-50, 50, (numel,), generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _window_rank(n):
+    r = dist.get_rank()
+    group = dist.group.WORLD
+    window = shared_memory.SharedWindow.open(group, list(range(n)), r, slot_bytes=SLOT)
+    creator = torch.tensor([os.getpid()])
+    dist.broadcast(creator, src=0)  # group rank 0 named the file after itself
+    leftover = [f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith(f"meshlm-{int(creator)}-")]
+    out = {"opened": window is not None, "leftover": leftover}
+    # Sizes: under one slot; 3 chunks, the last ragged, parts uneven at n = 3; bf16 (half the bytes).
+    for numel, dtype in ((1000, torch.float32), (SLOT // 4 * 2 + 12347, torch.float32),
+                         (SLOT // 2 * 3 + 5, torch.bfloat16)):
+        mine = _integers(numel, 100 * r + numel, dtype)
+        expected = mine.clone()
+        dist.all_reduce(expected)
+        got = mine.clone()
+        window.all_reduce(got)
+        every = [torch.empty_like(got) for _ in range(n)]
+        dist.all_gather(every, got)
+        out[(numel, str(dtype))] = (torch.equal(got, expected), all(torch.equal(e, got) for e in every))
+    # Real-valued fp32 at n = 2: a + b is a + b, whoever adds.
+    x = torch.randn(SLOT // 4 * 2 + 7, generator=torch.Generator().manual_seed(r))
+    expected, got = x.clone(), x.clone()
+    dist.all_reduce(expected)
+    window.all_reduce(got)
+    out["real"] = torch.equal(got, expected) if n == 2 else (got - expected).abs().max().item() <= 1e-5
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_window_all_reduce_equals_gloo_and_is_identical_on_every_rank(n):
+    for out in run_ranks(_window_rank, n, n):
+        assert out.pop("opened") and out.pop("leftover") == []
+        assert all(v is True or v == (True, True) for v in out.values()), out
+
+
+def _comm_rank(host_differs, shm_free):
+    if host_differs:  # as if each rank were on another machine
+        shared_memory.host_id = lambda: dist.get_rank()
+    if shm_free is not None:
+        shared_memory._shm_free_bytes = lambda: shm_free
+    comm = Comm(ParallelContext.from_config(load_config(None, [f"parallel.dp={dist.get_world_size()}"]).parallel))
+    r = dist.get_rank()
+    small, large = _integers(1000, r), _integers(shared_memory.SHARED_MEMORY_MIN_BYTES // 4 + 99, r + 7)
+    expected = [t.clone() for t in (small, large)]
+    for t in expected:
+        dist.all_reduce(t)
+    handles = [comm.all_reduce(t, "dp", async_op=True) for t in (small, large)]  # DDP's pattern
+    between = torch.ones(3)
+    comm.all_reduce(between, "dp")  # another op while the window's is not yet waited
+    for h in handles:
+        h.wait()
+    maximum = torch.full((shared_memory.SHARED_MEMORY_MIN_BYTES // 4,), float(r))
+    comm.all_reduce(maximum, "dp", op=dist.ReduceOp.MAX)  # not a sum: gloo's op
+    return {"used": comm._windows.get("dp") is not None,
+            "equal": torch.equal(small, expected[0]) and torch.equal(large, expected[1]),
+            "between": torch.equal(between, torch.full((3,), float(dist.get_world_size()))),
+            "max": bool((maximum == dist.get_world_size() - 1).all())}
+
+
+@pytest.mark.parametrize("host_differs,shm_free,used", [(False, None, True), (True, None, False),
+                                                        (False, 3 * shared_memory.MIN_WINDOW_BYTES, False)])
+def test_comm_takes_the_window_only_on_one_host_with_room_and_stays_exact(host_differs, shm_free, used):
+    for out in run_ranks(_comm_rank, 3, host_differs, shm_free):
+        assert out == {"used": used, "equal": True, "between": True, "max": True}
+
+
+def test_meshlm_shm_disable_keeps_gloo(monkeypatch):
+    monkeypatch.setenv("MESHLM_SHM_DISABLE", "1")
+    for out in run_ranks(_comm_rank, 2, False, None):
+        assert out == {"used": False, "equal": True, "between": True, "max": True}
