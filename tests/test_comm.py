@@ -1,3 +1,4 @@
+import os
 import warnings
 
 import pytest
@@ -294,6 +295,7 @@ def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
 def _gloo_rings_rank(n):
     from meshlm.comm import traced
 
+    os.environ["MESHLM_SHM_DISABLE"] = "1"  # the rings are what runs across hosts; here all ranks share one
     ctx = ParallelContext(Layout(dp=n))
     comm, r = Comm(ctx), ctx.rank
     started = {"rs": 0, "ag": 0}

@@ -73,7 +73,7 @@ def measured_vs_predicted(corpus: Path, run_dir: Path) -> list[tuple[int, tuple[
         else:
             per_rank = run_ranks(_measure, world, world, configs, corpus, run_dir, timeout=300)
         for i, extra in enumerate(configs):
-            report = predict(small_cfg(corpus, run_dir, world, *extra), backend="gloo")
+            report = predict(small_cfg(corpus, run_dir, world, *extra), backend="shm")
             by_role: dict[int, int] = {}
             for rank_results in per_rank:
                 pp_rank, peak = rank_results[i]
@@ -122,7 +122,7 @@ def test_every_zero_stage_lowers_the_peak_by_what_the_formulas_predict(tmp_path)
     configs = [(f"parallel.zero={z}", *MODEL_STATE_BOUND) for z in range(4)]
     per_rank = run_ranks(_measure, 2, 2, configs, corpus, tmp_path / "run", timeout=300)
     measured = [max(rank[i][1] for rank in per_rank) for i in range(4)]
-    expected = [predict(small_cfg(corpus, tmp_path, 2, *c), backend="gloo").peak_bytes for c in configs]
+    expected = [predict(small_cfg(corpus, tmp_path, 2, *c), backend="shm").peak_bytes for c in configs]
     assert all(abs(e / m - 1) <= TOLERANCE for e, m in zip(expected, measured)), (measured, expected)
     assert measured[0] > measured[1] > measured[2] > measured[3], measured
     # Stage 2 drops the replicated gradients (4N bytes, keeping the 4N/2 shard): no full-size gradient

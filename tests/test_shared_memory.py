@@ -1,7 +1,8 @@
-"""The shared-memory all-reduce (comm/shared_memory.py) against gloo's own: equal at every world
-size (integer values, so every summation order gives the same sum), bit-identical on every rank,
-across chunk boundaries and uneven parts; the window is used only where it may be, and nothing is
-left in /dev/shm."""
+"""The shared-memory collectives (comm/shared_memory.py) against gloo's own: all-reduce,
+reduce-scatter and all-gather equal at every world size (integer values, so every summation order
+gives the same sum), bit-identical on every rank, across chunk and segment boundaries and uneven
+parts, in place and out; the window is used only where it may be, and nothing is left in
+/dev/shm."""
 
 import os
 
@@ -40,6 +41,25 @@ def _window_rank(n):
         every = [torch.empty_like(got) for _ in range(n)]
         dist.all_gather(every, got)
         out[(numel, str(dtype))] = (torch.equal(got, expected), all(torch.equal(e, got) for e in every))
+    # Reduce-scatter and all-gather, against the library ops: several segments per op, the last
+    # ragged; out of place and in place (ZeRO's forms: my chunk of the input / of the output).
+    for per_rank, dtype in ((999, torch.float32), (SLOT // 4 + 4321, torch.float32), (SLOT // 2 + 77, torch.bfloat16)):
+        full = _integers(n * per_rank, 7 * r + per_rank, dtype)
+        expected = torch.empty(per_rank, dtype=dtype)
+        dist.reduce_scatter_single(expected, full.clone())
+        got = torch.empty(per_rank, dtype=dtype)
+        window.reduce_scatter(got, full)
+        in_place = full.clone()
+        window.reduce_scatter(in_place.view(n, -1)[r], in_place)
+        gathered, lib = torch.empty(n * per_rank, dtype=dtype), torch.empty(n * per_rank, dtype=dtype)
+        dist.all_gather_single(lib, got)
+        window.all_gather(gathered, got)
+        own = torch.zeros(n * per_rank, dtype=dtype)
+        own.view(n, -1)[r].copy_(got)
+        window.all_gather(own, own.view(n, -1)[r])
+        out[("rs/ag", per_rank, str(dtype))] = (
+            torch.equal(got, expected) and torch.equal(in_place.view(n, -1)[r], expected),
+            torch.equal(gathered, lib) and torch.equal(own, lib))
     # Real-valued fp32 at n = 2: a + b is a + b, whoever adds.
     x = torch.randn(SLOT // 4 * 2 + 7, generator=torch.Generator().manual_seed(r))
     expected, got = x.clone(), x.clone()
@@ -62,7 +82,7 @@ def _comm_rank(host_differs, shm_free):
     if shm_free is not None:
         shared_memory._shm_free_bytes = lambda: shm_free
     comm = Comm(ParallelContext.from_config(load_config(None, [f"parallel.dp={dist.get_world_size()}"]).parallel))
-    r = dist.get_rank()
+    r, n = dist.get_rank(), dist.get_world_size()
     small, large = _integers(1000, r), _integers(shared_memory.SHARED_MEMORY_MIN_BYTES // 4 + 99, r + 7)
     expected = [t.clone() for t in (small, large)]
     for t in expected:
@@ -72,22 +92,34 @@ def _comm_rank(host_differs, shm_free):
     comm.all_reduce(between, "dp")  # another op while the window's is not yet waited
     for h in handles:
         h.wait()
+    rs_in = [_integers(n * 100 * (k + 1), 3 * r + k) for k in range(3)]
+    rs_expected = [torch.empty(100 * (k + 1)) for k in range(3)]
+    for e, x in zip(rs_expected, rs_in):
+        dist.reduce_scatter_single(e, x.clone())
+    rs_out = [torch.empty_like(e) for e in rs_expected]
+    rs_handles = [comm.reduce_scatter(o, x, "dp", async_op=True) for o, x in zip(rs_out, rs_in)]  # 3 in flight
+    gathered = torch.empty(n * 100)
+    comm.all_gather(gathered, torch.full((100,), float(r)), "dp")
+    for h in rs_handles:
+        h.wait()
     maximum = torch.full((shared_memory.SHARED_MEMORY_MIN_BYTES // 4,), float(r))
     comm.all_reduce(maximum, "dp", op=dist.ReduceOp.MAX)  # not a sum: gloo's op
-    return {"used": comm._windows.get("dp") is not None,
+    return {"used": comm.uses_shared_memory("dp"),
             "equal": torch.equal(small, expected[0]) and torch.equal(large, expected[1]),
             "between": torch.equal(between, torch.full((3,), float(dist.get_world_size()))),
-            "max": bool((maximum == dist.get_world_size() - 1).all())}
+            "max": bool((maximum == dist.get_world_size() - 1).all()),
+            "rs/ag": all(torch.equal(o, e) for o, e in zip(rs_out, rs_expected))
+            and torch.equal(gathered, torch.arange(n).float().repeat_interleave(100))}
 
 
 @pytest.mark.parametrize("host_differs,shm_free,used", [(False, None, True), (True, None, False),
                                                         (False, 3 * shared_memory.MIN_WINDOW_BYTES, False)])
 def test_comm_takes_the_window_only_on_one_host_with_room_and_stays_exact(host_differs, shm_free, used):
     for out in run_ranks(_comm_rank, 3, host_differs, shm_free):
-        assert out == {"used": used, "equal": True, "between": True, "max": True}
+        assert out == {"used": used, "equal": True, "between": True, "max": True, "rs/ag": True}
 
 
 def test_meshlm_shm_disable_keeps_gloo(monkeypatch):
     monkeypatch.setenv("MESHLM_SHM_DISABLE", "1")
     for out in run_ranks(_comm_rank, 2, False, None):
-        assert out == {"used": False, "equal": True, "between": True, "max": True}
+        assert out == {"used": False, "equal": True, "between": True, "max": True, "rs/ag": True}

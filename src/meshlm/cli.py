@@ -275,8 +275,9 @@ def _memory_parser(sub) -> None:
                                    "the layout comes from parallel.* alone. See docs/memory.md.")
     p.add_argument("--config", help="a TOML config file (see configs/)")
     p.add_argument("--device-memory", help="capacity per rank, e.g. 80GiB (default: the visible GPU's)")
-    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                   help="collectives library: nccl (GPUs, default) or gloo (CPU runs)")
+    p.add_argument("--backend", choices=("nccl", "gloo", "shm"), default="nccl",
+                   help="collectives library: nccl (GPUs, default), shm (CPU ranks on one host) or gloo (CPU "
+                        "ranks across hosts)")
     p.add_argument("--plot", metavar="FILE.png", help="stacked breakdown for zero 0-3, recompute on and off")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.preset=llama3-8b parallel.dp=8")

@@ -25,8 +25,11 @@ The model state per engine (N = this rank's parameters, d = dp x cp, p = 2 in bf
                   the root (embeddings, norm, head) from forward to backward, the block being
                   computed, and in backward the next one prefetched
 
-Where the backend matters: on gloo the reduce-scatter is meshlm's P2P ring, which receives into
-fp32 scratch chunks (gloo's own copied the whole input); NCCL's needs none. `predict(cfg, backend=...)` takes it; the trainer passes its own.
+Where the backend matters: on gloo across hosts the reduce-scatter is meshlm's P2P ring, which
+receives into fp32 scratch chunks (gloo's own copied the whole input); NCCL's needs none, and
+neither does "shm", gloo with every rank on one host, where the collectives go through a shared
+memory window that is library memory like NCCL's buffers (comm/shared_memory.py).
+`predict(cfg, backend=...)` takes it; the trainer passes its own (`runtime_backend`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,16 @@ from dataclasses import asdict, dataclass
 from meshlm.config import Config
 from meshlm.parallel.tensor import activation_bytes_per_layer
 
-BACKENDS = ("nccl", "gloo")
+BACKENDS = ("nccl", "gloo", "shm")
+
+
+def runtime_backend(device_type: str, world_size: int) -> str:
+    """The backend a run on `device_type` with `world_size` ranks has, for `predict`."""
+    from meshlm.comm.shared_memory import on_one_host
+
+    if device_type == "cuda":
+        return "nccl"
+    return "shm" if on_one_host(world_size) else "gloo"
 
 RANK_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "master_bytes", "activations_bytes",
                "other_bytes", "peak_bytes")
@@ -238,9 +250,9 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     d = p.dp * p.cp
     bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
     item = 2 if bf16 else 4
-    # gloo: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines reduce in
-    # place (into their own chunk), so it receives into fp32 scratch: one chunk of 1/d of the input
-    # at d = 2, two beyond. NCCL's needs none. Bytes per element of the input:
+    # gloo across hosts: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines
+    # reduce in place (into their own chunk), so it receives into fp32 scratch: one chunk of 1/d of
+    # the input at d = 2, two beyond. NCCL's and shared memory's need none. Bytes per element:
     copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
 
     largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
@@ -354,7 +366,8 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
 
 def predict(cfg: Config, backend: str = "nccl") -> MemoryReport:
     """Every distinct rank role's predicted peak and its breakdown, for `cfg` (resolved, any layout).
-    backend: the collectives' library ("gloo" on CPU, "nccl" on GPUs)."""
+    backend: the collectives' library ("nccl" on GPUs; on CPU "shm" with every rank on one host,
+    else "gloo")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     roles = [_rank_memory(cfg, pp_rank, backend) for pp_rank in range(cfg.parallel.pp)]

@@ -1,21 +1,27 @@
-"""All-reduce through shared memory for the ranks of a group that share one host (what `Comm`
-runs on gloo there, from `SHARED_MEMORY_MIN_BYTES` up).
+"""Collectives through shared memory for the ranks of a gloo group that share one host: what
+`Comm` runs there for sum all-reduces from `SHARED_MEMORY_MIN_BYTES` up, and for every sum
+reduce-scatter and all-gather of contiguous floating-point tensors.
 
-Reduces: the cost of gloo's all-reduce, which moves every byte through loopback TCP (a send and a
-receive copy through the kernel per step of its algorithm): 16 MiB on 2 ranks, 12.4 ms with gloo,
-6.0 ms here. NCCL does the same inside a node (its SHM and P2P transports).
-Costs: a window of 2 x n x `WINDOW_BYTES` of /dev/shm per group (smaller where /dev/shm is small;
-none, and gloo's op, where the ranks are on different hosts or /dev/shm has no room), one gloo
-barrier (~0.2 ms) per phase, and no background progress: the work runs in the caller's thread
-when the op is waited (DDP's bucket all-reduces run in `finish_backward`, not under backward).
+Reduces: the cost of moving bytes through loopback TCP (gloo's all-reduce, and meshlm's P2P rings,
+whose every gloo send/recv costs ~1 ms here): 16 MiB all-reduce on 2 ranks, 10.2 ms with gloo,
+5.2 ms here. NCCL does the same inside a node (its SHM and P2P transports).
+Costs: a window of 2 x n slots of /dev/shm per set of ranks (slots as large as the largest op
+needs, 1-16 MiB; smaller where /dev/shm is small; none, and gloo's or the rings' op, where the
+ranks are on different hosts or /dev/shm has no room), one gloo barrier (~0.2 ms) per phase, and
+no background progress: the work runs in the caller's thread when the op is waited (DDP's bucket
+all-reduces run in `finish_backward`, not under backward; on one core per rank there was no
+background to have).
 
-Per chunk of the tensor that fits a slot (its n parts: part r is rank r's to sum), two phases,
-each "write my slot, barrier, read":
+Each op is a sequence of phases, "write my slot, barrier, read the others' slots":
+- all-reduce, per chunk of the tensor that fits a slot (its n parts: part r is rank r's to sum):
   1. every rank copies the other ranks' parts of its chunk into its slot; rank r adds part r of
      every other slot to its own part, in place, in rank order;
-  2. every rank copies its summed part into its slot of the other window, and the other ranks'
-     summed parts from theirs. Each part is summed by one rank only, so all ranks end with the
-     same bits; at n = 2 the sum a + b is gloo's too.
+  2. every rank copies its summed part into its slot, and the other ranks' summed parts in.
+  Each part is summed by one rank only, so all ranks end with the same bits; at n = 2 the sum
+  a + b is gloo's too.
+- reduce-scatter, per segment: every rank writes the segment of every other rank's chunk; rank r
+  sums its own chunk's segment from all slots, in the all-reduce's order (same bits).
+- all-gather, per segment: every rank writes its segment; everyone copies all of them.
 Phases alternate between two windows, so one barrier per phase is enough: a rank writes a window
 only after passing the barrier that follows the previous phase, which every rank reached only
 after reading what it needed from the window written before that.
@@ -24,7 +30,8 @@ The window is mapped from a file in /dev/shm that group rank 0 creates (its page
 posix_fallocate, so a full /dev/shm is an error now, not a SIGBUS later) and unlinks once every
 rank has mapped it: nothing is left behind, whatever way the job ends. Copies to and from the
 window run outside any dispatch mode: like gloo's own buffers, it is library memory, not tensors
-a step allocates (train/memtrack.py).
+a step allocates (train/memtrack.py), and the reduce-scatter needs no scratch tensors, unlike
+the rings (analysis/memory.py: backend "shm").
 """
 
 from __future__ import annotations
@@ -55,6 +62,11 @@ def host_id() -> int:
     return int.from_bytes(hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()[:7], "little")
 
 
+def slot_bytes_for(nbytes: int) -> int:
+    """The slot an op of `nbytes` (its largest tensor) wants: the next power of two, 1-16 MiB."""
+    return min(WINDOW_BYTES, max(MIN_WINDOW_BYTES, 1 << max(0, nbytes - 1).bit_length()))
+
+
 def _shm_free_bytes() -> int:
     try:
         st = os.statvfs(SHM_DIR)
@@ -66,11 +78,13 @@ def _shm_free_bytes() -> int:
 class SharedWindow:
     """Two windows of n slots in memory shared by the ranks of one group. `open` is collective."""
 
-    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int):
-        self._buffer = buffer  # the mmap: kept alive as long as the tensor views below
+    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int):
+        # The mmap itself; tensors over it exist only while an op runs, so nothing that scans a
+        # process's tensors (the memory tracker, the tests' live-bytes count) takes library memory
+        # for model state.
+        self._buffer = buffer
         self.group, self.n, self.me, self.slot_bytes = group, n, me, slot_bytes
-        with _disable_current_modes():  # library memory, not a tensor of the step (module docstring)
-            self.windows = torch.frombuffer(buffer, dtype=torch.uint8).view(2, n, slot_bytes)
+        self.requested = requested  # what `open` was asked for (slot_bytes may be less: /dev/shm's room)
         self.phase = 0
 
     @classmethod
@@ -84,7 +98,7 @@ class SharedWindow:
         if len({int(t[0]) for t in every}) != 1:
             return None
         room = min(int(t[1]) for t in every) // (2 * n) // 2  # leave half of /dev/shm to others
-        slot_bytes = min(slot_bytes, room) // 64 * 64
+        requested, slot_bytes = slot_bytes, min(slot_bytes, room) // 64 * 64
         if slot_bytes < MIN_WINDOW_BYTES:
             return None
         # Group rank 0 creates the file and says whether that worked, and under which name.
@@ -111,16 +125,16 @@ class SharedWindow:
             os.unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
         if not int(every_mapped):
             return None
-        return cls(mapped, group, n, me, slot_bytes)
+        return cls(mapped, group, n, me, slot_bytes, requested)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
     def _slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The current phase's window as [n, numel] of `dtype`; the next phase gets the other."""
-        window = self.windows[self.phase % 2]
+        window = torch.frombuffer(self._buffer, dtype=torch.uint8).view(2, self.n, self.slot_bytes)[self.phase % 2]
         self.phase += 1
-        return window[:, : numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
+        return window[:, : numel * dtype.itemsize].view(dtype)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` (contiguous) over the group, in place."""
@@ -148,25 +162,73 @@ class SharedWindow:
                     chunk[parts[j]].copy_(summed[j, : parts[j].stop - parts[j].start])
 
 
-class DeferredAllReduce:
-    """An all-reduce through the window, run when waited (`Comm` hands it out as async work)."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """output = this rank's 1/n of the sum of every rank's `input` (both contiguous; output may
+        be this rank's own chunk of input, ZeRO's in-place form). One phase per segment: the other
+        ranks' chunks' segment out, then my chunk's segment summed from every slot, in rank order
+        after my own (the order `all_reduce` sums a part in, so the two agree bit for bit)."""
+        out = output.view(-1)
+        chunks = input.view(self.n, -1)
+        per_slot = self.slot_bytes // out.element_size() // self.n
+        others = [j for j in range(self.n) if j != self.me]
+        with _disable_current_modes(), torch.no_grad():
+            for a in range(0, out.numel(), per_slot):
+                b = min(a + per_slot, out.numel())
+                slots = self._slots(out.dtype, self.n * (b - a)).view(self.n, self.n, -1)
+                for j in others:
+                    slots[self.me, j, : b - a].copy_(chunks[j, a:b])
+                self._barrier()
+                if out[a:b].data_ptr() != chunks[self.me, a:b].data_ptr():
+                    out[a:b].copy_(chunks[self.me, a:b])
+                for j in others:
+                    out[a:b].add_(slots[j, self.me, : b - a])
 
-    def __init__(self, window: SharedWindow, tensor: torch.Tensor):
-        self.window, self.tensor = window, tensor
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """output = every rank's `input`, concatenated in rank order (input may be this rank's own
+        chunk of output). One phase per segment: my segment out, everyone's in."""
+        src = input.view(-1)
+        chunks = output.view(self.n, -1)
+        per_slot = self.slot_bytes // src.element_size()
+        with _disable_current_modes(), torch.no_grad():
+            if chunks[self.me].data_ptr() != src.data_ptr():
+                chunks[self.me].copy_(src)
+            for a in range(0, src.numel(), per_slot):
+                b = min(a + per_slot, src.numel())
+                slots = self._slots(src.dtype, b - a)
+                slots[self.me].copy_(src[a:b])
+                self._barrier()
+                for j in range(self.n):
+                    if j != self.me:
+                        chunks[j, a:b].copy_(slots[j])
+
+
+class Deferred:
+    """A window op run when waited (`Comm` hands it out as the async op's work): `method(*args)`."""
+
+    def __init__(self, method, *args):
+        self.method, self.args = method, args
 
     def wait(self) -> None:
-        if self.tensor is not None:
-            tensor, self.tensor = self.tensor, None
-            self.window.all_reduce(tensor)
+        if self.args is not None:
+            args, self.args = self.args, None
+            self.method(*args)
 
     def is_completed(self) -> bool:
-        return self.tensor is None
+        return self.args is None
 
 
-def applies(tensor: torch.Tensor, op) -> bool:
-    """Sums of contiguous floating-point CPU tensors from `SHARED_MEMORY_MIN_BYTES` up."""
-    return (op == dist.ReduceOp.SUM and tensor.device.type == "cpu" and tensor.is_floating_point()
-            and tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= SHARED_MEMORY_MIN_BYTES)
+def applies(op, *tensors: torch.Tensor, min_bytes: int = 0) -> bool:
+    """Sums (or no reduction) of contiguous floating-point CPU tensors, the first of `min_bytes` or more."""
+    return (op == dist.ReduceOp.SUM and all(t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous()
+                                            and t.numel() > 0 for t in tensors)
+            and tensors[0].numel() * tensors[0].element_size() >= min_bytes)
+
+
+def on_one_host(world_size: int) -> bool:
+    """Whether a launch of `world_size` ranks has them all here, on gloo with shared memory on:
+    what the memory model assumes for the collectives' scratch (analysis/memory.py)."""
+    return (int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size and _shm_free_bytes() > 0
+            and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0"))
 
 
 def _path(status: torch.Tensor) -> str:

@@ -103,8 +103,8 @@ class Comm:
         self.desync_next = False  # debug.fault=desync: the next all-reduce reads its bytes as another dtype
         self._gloo = dist.is_initialized() and dist.get_backend() == "gloo"
         # Groups on one host all-reduce through shared memory (comm/shared_memory.py), unless
-        # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE): label -> its window, or None for gloo's op.
-        self._windows: dict[str, shared_memory.SharedWindow | None] = {}
+        # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE): group ranks -> their window, or None for gloo's op.
+        self._windows: dict[tuple[int, ...], shared_memory.SharedWindow | None] = {}
         self._shared_memory = self._gloo and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0")
 
     # ---- plumbing
@@ -150,21 +150,29 @@ class Comm:
             tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
-        window = self._window(label, group, ranks, me) if self._shared_memory and shared_memory.applies(tensor, op) \
-            else None
+        window = self._window(label, group, ranks, me, op, tensor, min_bytes=shared_memory.SHARED_MEMORY_MIN_BYTES)
         if window is not None:
-            work = shared_memory.DeferredAllReduce(window, tensor)
+            work = shared_memory.Deferred(window.all_reduce, tensor)
             if not async_op:
                 work.wait()
         else:
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
-    def _window(self, label, group, ranks, me) -> shared_memory.SharedWindow | None:
-        """The group's shared-memory window; opened (collectively) by its first eligible op."""
-        if label not in self._windows:
-            self._windows[label] = shared_memory.SharedWindow.open(group, ranks, me)
-        return self._windows[label]
+    def _window(self, label, group, ranks, me, op, *tensors, min_bytes=0) -> shared_memory.SharedWindow | None:
+        """The shared-memory window of these ranks if the op may take it. Opened (collectively)
+        by their first op that may, with slots as large as that op needs (1-16 MiB), and opened
+        again, larger, by a later op that needs more: every rank decides alike, from sizes."""
+        if not (self._shared_memory and shared_memory.applies(op, *tensors, min_bytes=min_bytes)):
+            return None
+        key = tuple(ranks)  # "world" and "dp" of a pure data-parallel run share one window
+        window = self._windows.get(key, False)
+        wanted = shared_memory.slot_bytes_for(max(t.numel() * t.element_size() for t in tensors))
+        if window is False:
+            window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted)
+        elif window is not None and window.requested < wanted:
+            window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted) or window
+        return window
 
     @_eager
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: AxesLike, async_op: bool = False):
@@ -179,7 +187,12 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("all_gather", n, me, output.numel(), output.element_size())
         record = self._begin("all_gather", label, n, output, output.numel(), _bytes(output), traffic, async_op=async_op)
-        if self._gloo and ring_applies(output, input):
+        window = self._window(label, group, ranks, me, ReduceOp.SUM, output, input)
+        if window is not None:
+            work = shared_memory.Deferred(window.all_gather, output, input)
+            if not async_op:
+                work.wait()
+        elif self._gloo and ring_applies(output, input):
             # gloo's own gathers into a temporary and copies out (comm/gloo_rings.py)
             work = DirectAllGather(output, input, group, ranks, me)
             if not async_op:
@@ -202,7 +215,12 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("reduce_scatter", n, me, input.numel(), input.element_size())
         record = self._begin("reduce_scatter", label, n, input, input.numel(), _bytes(input), traffic, async_op=async_op)
-        if self._gloo and op == ReduceOp.SUM and ring_applies(output, input):
+        window = self._window(label, group, ranks, me, op, output, input)
+        if window is not None:
+            work = shared_memory.Deferred(window.reduce_scatter, output, input)
+            if not async_op:
+                work.wait()
+        elif self._gloo and op == ReduceOp.SUM and ring_applies(output, input):
             # gloo's own is an all-reduce plus copies: twice the bytes (comm/gloo_rings.py)
             work = RingReduceScatter(output, input, group, ranks, me)
             if not async_op:
@@ -300,6 +318,10 @@ class Comm:
         return Handle(dist.batch_isend_irecv(p2p), records, self.recorder)
 
     # ---- reading
+
+    def uses_shared_memory(self, axis: AxesLike) -> bool:
+        """Whether the group's collectives have gone through shared memory (comm/shared_memory.py)."""
+        return self._windows.get(tuple(self._group(axis)[2])) is not None
 
     def groups(self) -> dict[str, list[int]]:
         """Each group this rank has used, by label: its global ranks (for the hang/desync report)."""

@@ -78,7 +78,10 @@ def candidate_changes(cfg) -> list[tuple[str, object]]:
 
 def oom_report(cfg, rank: int, step: int, phase: str, engine, device: torch.device) -> list[str]:
     """The report's lines; the first says what happened, the last what to change."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    from meshlm.analysis.memory import runtime_backend
+
+    p = cfg.parallel
+    backend = runtime_backend(device.type, p.dp * p.tp * p.cp * p.pp)
     capacity = device_capacity(device)
     measured = measured_by_category(engine, device)
     lines = [f"out of memory on rank {rank} in the {phase} of step {step}"

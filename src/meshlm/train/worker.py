@@ -54,10 +54,10 @@ def start_state(trainer: Trainer) -> None:
 
 def _log_predicted_memory(trainer: Trainer) -> int | None:
     """The memory model's peak for this run, logged before the first step (docs/memory.md)."""
-    from meshlm.analysis.memory import predict
+    from meshlm.analysis.memory import predict, runtime_backend
 
     try:
-        report = predict(trainer.cfg, backend="gloo" if trainer.device.type == "cpu" else "nccl")
+        report = predict(trainer.cfg, backend=runtime_backend(trainer.device.type, trainer.ctx.world_size))
     except Exception as e:  # an estimate must never stop a run
         trainer.metrics.print(f"memory: no prediction ({e})")
         return None
