@@ -61,6 +61,7 @@ class DDP:
         self._sync = True
         self._pending: list = []  # (handle, callback) of launched async reductions
         self._slot_of = {id(s.param): s for s in self.layout.slots}
+        self.keep_grad_buffer = self.device.type == "cpu"  # between steps (zero_grad says why)
         self._setup_buffers()
         self.tracker = ReadyTracker([[(s.name, s.param) for s in b.slots] for b in self.layout.buckets],
                                     self._launch)
@@ -75,7 +76,7 @@ class DDP:
         return 1
 
     def _setup_buffers(self) -> None:
-        self.grad_buffer = None  # allocated by the step's first gradient, freed by zero_grad
+        self.grad_buffer = None  # allocated by the first gradient; zero_grad says when it is freed
         # fp32 runs update the parameters themselves; bf16 runs keep an fp32 master copy.
         self.master = None
         if self.precision.enabled:
@@ -84,8 +85,8 @@ class DDP:
                 self.master[s.start: s.end].copy_(s.param.detach().reshape(-1))
 
     def _grad_storage(self) -> torch.Tensor:
-        """The flat gradient buffer, allocated on first use in a step. Allocating it only when
-        backward starts keeps it out of the forward's activation peak.
+        """The flat gradient buffer, allocated on the first gradient of a step (`zero_grad` says
+        when it is freed again).
 
         It is left uninitialised: each parameter's first gradient of the step is copied into its
         view (`_adopt_grad`); zeroing the whole buffer and letting autograd add into it would
@@ -96,12 +97,17 @@ class DDP:
         norm or gathered value reads it."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.empty(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
-            self._unwritten = {id(s.param): s for s in self.layout.slots}
-            with torch.no_grad():
-                for key in self.tracker.unused:
-                    slot = self._unwritten.pop(key)
-                    self.grad_buffer[slot.start: slot.end].zero_()
+            self._expect_gradients()
         return self.grad_buffer
+
+    def _expect_gradients(self) -> None:
+        """A new step's gradients go into the buffer: every slot waits for its first gradient but
+        those of unused parameters, zeroed now."""
+        self._unwritten = {id(s.param): s for s in self.layout.slots}
+        with torch.no_grad():
+            for key in self.tracker.unused:
+                slot = self._unwritten.pop(key)
+                self.grad_buffer[slot.start: slot.end].zero_()
 
     def _ensure_grads(self) -> None:
         """Every parameter's .grad is its buffer view; those no gradient reached hold zeros."""
@@ -203,10 +209,17 @@ class DDP:
                 s.param.data.copy_(self.master[s.start: s.end].view(s.shape))
 
     def zero_grad(self) -> None:
-        """Free the gradients (set_to_none semantics): the next backward allocates them again."""
-        self.grad_buffer = None
+        """Drop the gradients (set_to_none semantics for `.grad`). The buffer itself is freed on
+        CUDA, whose caching allocator hands its blocks to the next forward at no cost (so it stays
+        out of that forward's peak); it is kept on the CPU, where torch has no caching allocator:
+        freed, it comes back as fresh pages, one page fault per 4 KiB (~8 ms per 16 MiB on the VM
+        of benchmarks/RESULTS.md). torch DDP keeps its buckets for the same reason."""
         for s in self.layout.slots:
             s.param.grad = None
+        if self.keep_grad_buffer and self.grad_buffer is not None:
+            self._expect_gradients()
+        else:
+            self.grad_buffer = None
 
     # ------------------------------------------------------------------ inspection
 
