@@ -1,7 +1,8 @@
 """meshlm's collectives on 2 forked ranks of one host, fp32, median of 8, each rank pinned to a core:
-gloo's library ops against what `Comm` runs (shared memory on one host, comm/shared_memory.py) and
-against the P2P rings it runs across hosts (MESHLM_SHM_DISABLE=1). RESULTS.md: "Shared memory".
-Run: .venv/bin/python benchmarks/shared_memory.py"""
+gloo's library ops against what `Comm` runs there (shared memory, comm/shared_memory.py) and what
+it runs across hosts (MESHLM_SHM_DISABLE=1: the P2P rings of comm/gloo_rings.py). RESULTS.md:
+"zero0 above parity" (and, for the rings against gloo, "gloo's reduce-scatter replaced by a P2P
+ring", measured with this script's predecessor). Run: .venv/bin/python benchmarks/collectives.py"""
 import os
 import statistics
 import sys
