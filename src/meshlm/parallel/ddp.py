@@ -97,41 +97,44 @@ class DDP:
         norm or gathered value reads it."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.empty(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
+            # each parameter's view, made once: this runs in a hook per parameter per step
+            self._grad_views = {id(s.param): self.grad_buffer[s.start: s.end].view(s.shape) for s in self.layout.slots}
             self._expect_gradients()
         return self.grad_buffer
 
     def _expect_gradients(self) -> None:
         """A new step's gradients go into the buffer: every slot waits for its first gradient but
         those of unused parameters, zeroed now."""
-        self._unwritten = {id(s.param): s for s in self.layout.slots}
-        with torch.no_grad():
-            for key in self.tracker.unused:
-                slot = self._unwritten.pop(key)
-                self.grad_buffer[slot.start: slot.end].zero_()
+        self._unwritten = set(self._grad_views)
+        for key in self.tracker.unused:
+            self._unwritten.discard(key)
+            self._grad_views[key].zero_()
 
     def _ensure_grads(self) -> None:
         """Every parameter's .grad is its buffer view; those no gradient reached hold zeros."""
         self._grad_storage()
-        with torch.no_grad():
-            for slot in self._unwritten.values():
-                self.grad_buffer[slot.start: slot.end].zero_()
-            self._unwritten.clear()
-            for s in self.layout.slots:
-                if s.param.grad is None:
-                    s.param.grad = self.grad_buffer[s.start: s.end].view(s.shape)
+        for key in self._unwritten:
+            self._grad_views[key].zero_()
+        self._unwritten.clear()
+        for s in self.layout.slots:
+            if s.param.grad is None:
+                s.param.grad = self._grad_views[id(s.param)]
 
     def _adopt_grad(self, param: torch.Tensor) -> None:
         """Make param.grad the buffer's view: the step's first gradient of `param` is copied in,
-        a later one (or one into a slot zeroed up front) added."""
+        a later one (or one into a slot zeroed up front) added. (The buffer needs no autograd, so
+        neither do these ops: no no_grad block.)"""
         grad = param.grad
         self._grad_storage()
-        slot = self._unwritten.pop(id(param), None)
-        s = self._slot_of[id(param)]
-        view = self.grad_buffer[s.start: s.end].view(s.shape)
+        key = id(param)
+        view = self._grad_views[key]
         if grad.data_ptr() == view.data_ptr():
             return  # autograd already accumulated in place
-        with torch.no_grad():
-            view.copy_(grad) if slot is not None else view.add_(grad)
+        if key in self._unwritten:
+            self._unwritten.discard(key)
+            view.copy_(grad)
+        else:
+            view.add_(grad)
         param.grad = view
 
     def _master_segments(self) -> list[MasterSegment]:
@@ -219,7 +222,7 @@ class DDP:
         if self.keep_grad_buffer and self.grad_buffer is not None:
             self._expect_gradients()
         else:
-            self.grad_buffer = None
+            self.grad_buffer = self._grad_views = None
 
     # ------------------------------------------------------------------ inspection
 
