@@ -70,7 +70,7 @@ def _window_rank(n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_window_all_reduce_equals_gloo_and_is_identical_on_every_rank(n):
+def test_window_collectives_equal_gloo_and_are_identical_on_every_rank(n):
     for out in run_ranks(_window_rank, n, n):
         assert out.pop("opened") and out.pop("leftover") == []
         assert all(v is True or v == (True, True) for v in out.values()), out
@@ -102,6 +102,11 @@ def _comm_rank(host_differs, shm_free):
     comm.all_gather(gathered, torch.full((100,), float(r)), "dp")
     for h in rs_handles:
         h.wait()
+    first = comm._windows.get(tuple(range(n)))
+    per = (3 << 20) // 4  # 3 MiB from each rank: more than the first window's slots
+    big = torch.empty(n * per)
+    comm.all_gather(big, torch.full((per,), float(r)), "dp")
+    grown = comm._windows.get(tuple(range(n)))
     maximum = torch.full((shared_memory.SHARED_MEMORY_MIN_BYTES // 4,), float(r))
     comm.all_reduce(maximum, "dp", op=dist.ReduceOp.MAX)  # not a sum: gloo's op
     return {"used": comm.uses_shared_memory("dp"),
@@ -109,17 +114,21 @@ def _comm_rank(host_differs, shm_free):
             "between": torch.equal(between, torch.full((3,), float(dist.get_world_size()))),
             "max": bool((maximum == dist.get_world_size() - 1).all()),
             "rs/ag": all(torch.equal(o, e) for o, e in zip(rs_out, rs_expected))
-            and torch.equal(gathered, torch.arange(n).float().repeat_interleave(100))}
+            and torch.equal(gathered, torch.arange(n).float().repeat_interleave(100))
+            and torch.equal(big, torch.arange(n).float().repeat_interleave(per)),
+            # a larger op opened larger slots: 2 MiB for the first, 16 for the n x 3 MiB gather
+            "slots": None if first is None else (first.requested, grown.requested)}
 
 
 @pytest.mark.parametrize("host_differs,shm_free,used", [(False, None, True), (True, None, False),
                                                         (False, 3 * shared_memory.MIN_WINDOW_BYTES, False)])
 def test_comm_takes_the_window_only_on_one_host_with_room_and_stays_exact(host_differs, shm_free, used):
     for out in run_ranks(_comm_rank, 3, host_differs, shm_free):
-        assert out == {"used": used, "equal": True, "between": True, "max": True, "rs/ag": True}
+        slots = (2 << 20, 16 << 20) if used else None
+        assert out == {"used": used, "equal": True, "between": True, "max": True, "rs/ag": True, "slots": slots}
 
 
 def test_meshlm_shm_disable_keeps_gloo(monkeypatch):
     monkeypatch.setenv("MESHLM_SHM_DISABLE", "1")
     for out in run_ranks(_comm_rank, 2, False, None):
-        assert out == {"used": False, "equal": True, "between": True, "max": True, "rs/ag": True}
+        assert out == {"used": False, "equal": True, "between": True, "max": True, "rs/ag": True, "slots": None}

@@ -7,6 +7,7 @@
     print(comm.format_summary())
 
 Modules: traced.py (Comm, Handle), recorder.py (FlightRecorder), ring.py (ring algorithms),
+shared_memory.py and gloo_rings.py (what Comm runs on gloo: on one host, across hosts),
 cost.py (formulas, Link, Topology, presets, fit), bench.py (`meshlm bench comm`).
 """
 

@@ -161,7 +161,6 @@ class SharedWindow:
                 for j in others:
                     chunk[parts[j]].copy_(summed[j, : parts[j].stop - parts[j].start])
 
-
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """output = this rank's 1/n of the sum of every rank's `input` (both contiguous; output may
         be this rank's own chunk of input, ZeRO's in-place form). One phase per segment: the other
@@ -218,8 +217,9 @@ class Deferred:
 
 
 def applies(op, *tensors: torch.Tensor, min_bytes: int = 0) -> bool:
-    """Sums (or no reduction) of contiguous floating-point CPU tensors, the first of `min_bytes` or more."""
-    return (op == dist.ReduceOp.SUM and all(t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous()
+    """Sums (op SUM) or gathers (op None) of contiguous floating-point CPU tensors, the first of
+    `min_bytes` or more."""
+    return (op in (None, dist.ReduceOp.SUM) and all(t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous()
                                             and t.numel() > 0 for t in tensors)
             and tensors[0].numel() * tensors[0].element_size() >= min_bytes)
 

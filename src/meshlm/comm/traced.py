@@ -13,6 +13,9 @@ names groups by parallel axis: `comm.all_reduce(t, "dp")`, `comm.all_gather(out,
   timestamps would only measure the launch); they are read lazily when the summary is asked for.
 - P2P peers are global ranks (pipeline neighbours come from ParallelContext.next_rank/prev_rank);
   `axis` only labels them in the summary.
+- On gloo, sums and gathers of ranks on one host go through shared memory (comm/shared_memory.py),
+  across hosts the reduce-scatter and all-gather through meshlm's P2P rings (comm/gloo_rings.py);
+  NCCL keeps its own.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from meshlm.comm.cost import rank_traffic
 from meshlm.comm import shared_memory
+from meshlm.comm.cost import rank_traffic
 from meshlm.comm.gloo_rings import DirectAllGather, RingReduceScatter, ring_applies
 from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
@@ -150,7 +153,7 @@ class Comm:
             tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
-        window = self._window(label, group, ranks, me, op, tensor, min_bytes=shared_memory.SHARED_MEMORY_MIN_BYTES)
+        window = self._window(group, ranks, me, op, tensor, min_bytes=shared_memory.SHARED_MEMORY_MIN_BYTES)
         if window is not None:
             work = shared_memory.Deferred(window.all_reduce, tensor)
             if not async_op:
@@ -159,7 +162,7 @@ class Comm:
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
-    def _window(self, label, group, ranks, me, op, *tensors, min_bytes=0) -> shared_memory.SharedWindow | None:
+    def _window(self, group, ranks, me, op, *tensors, min_bytes=0) -> shared_memory.SharedWindow | None:
         """The shared-memory window of these ranks if the op may take it. Opened (collectively)
         by their first op that may, with slots as large as that op needs (1-16 MiB), and opened
         again, larger, by a later op that needs more: every rank decides alike, from sizes."""
@@ -187,7 +190,7 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("all_gather", n, me, output.numel(), output.element_size())
         record = self._begin("all_gather", label, n, output, output.numel(), _bytes(output), traffic, async_op=async_op)
-        window = self._window(label, group, ranks, me, ReduceOp.SUM, output, input)
+        window = self._window(group, ranks, me, None, output, input)
         if window is not None:
             work = shared_memory.Deferred(window.all_gather, output, input)
             if not async_op:
@@ -215,7 +218,7 @@ class Comm:
             return _DONE if async_op else None
         traffic = rank_traffic("reduce_scatter", n, me, input.numel(), input.element_size())
         record = self._begin("reduce_scatter", label, n, input, input.numel(), _bytes(input), traffic, async_op=async_op)
-        window = self._window(label, group, ranks, me, op, output, input)
+        window = self._window(group, ranks, me, op, output, input)
         if window is not None:
             work = shared_memory.Deferred(window.reduce_scatter, output, input)
             if not async_op:

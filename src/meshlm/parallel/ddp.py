@@ -60,7 +60,7 @@ class DDP:
         self.layout = FlatLayout(list(reversed(named)), bucket_bytes, align=self._align(), itemsize=itemsize)
         self._sync = True
         self._pending: list = []  # (handle, callback) of launched async reductions
-        self._slot_of = {id(s.param): s for s in self.layout.slots}
+        self._slot_of = {id(s.param): s for s in self.layout.slots}  # ZeRO-2's hook finds its slot
         self.keep_grad_buffer = self.device.type == "cpu"  # between steps (zero_grad says why)
         self._setup_buffers()
         self.tracker = ReadyTracker([[(s.name, s.param) for s in b.slots] for b in self.layout.buckets],
@@ -90,11 +90,11 @@ class DDP:
 
         It is left uninitialised: each parameter's first gradient of the step is copied into its
         view (`_adopt_grad`); zeroing the whole buffer and letting autograd add into it would
-        cost a fill and a read-modify-write pass over every gradient. Zeroed here: the slots of
-        parameters found unused on the first step, whose bucket goes on the wire without them
-        (under no_sync, "unused" can also mean "reduced by another backward": a gradient that
-        arrives later is added). Bucket padding holds whatever it holds: no optimizer segment,
-        norm or gathered value reads it."""
+        cost a fill and a read-modify-write pass over every gradient. Zeroed at each step's start
+        (`_expect_gradients`): the slots of parameters found unused on the first step, whose
+        bucket goes on the wire without them (under no_sync, "unused" can also mean "reduced by
+        another backward": a gradient that arrives later is added). Bucket padding holds whatever
+        it holds: no optimizer segment, norm or gathered value reads it."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.empty(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
             # each parameter's view, made once: this runs in a hook per parameter per step

@@ -83,7 +83,6 @@ class ZeroDataParallel(DDP):
         self.param_buffer = torch.zeros(numel, dtype=dtype, device=self.device)
         point_params_into(self.param_buffer, self.layout.slots)
         self._offsets = self._shard_offsets()
-        self._slot_of = {id(s.param): s for s in self.layout.slots}
         shard_numel = self._offsets[-1]
         self.grad_buffer = None  # stage 1: the full gradient buffer, allocated in backward
         self.grad_shard = None  # stage 2: this rank's reduced slices, allocated in backward
