@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.comm import P2P, Comm, FlightRecorder
+from meshlm.comm import P2P, Comm, FlightRecorder, Handle
 from meshlm.comm.cost import HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time, rank_traffic, save_profile, steps
 from meshlm.mesh import Layout, ParallelContext
 from meshlm.testing import run_ranks
@@ -50,7 +50,7 @@ def test_topology_tiers_a_group_spanning_nodes_runs_at_the_slower_tier():
     assert h100.time("all_reduce", S, 16) == pytest.approx(30 * 6e-6 + (30 / 16) * S / 50e9, rel=1e-12)
     mixed = Topology("t", 2, intra=Link(1e-6, 100e9), inter=Link(5e-6, 200e9))
     assert mixed.link([0, 2]) == Link(5e-6, 100e9)  # slower on both terms
-    for name in ("h100", "a100", "pcie", "cpu-loopback"):
+    for name in ("h100", "a100", "pcie", "cpu-loopback", "cpu-shm"):
         assert HARDWARE[name].time("all_gather", 2**20, 4) > 0
     # Bandwidth dominates large messages: time grows with S almost linearly.
     t1, t2 = op_time("all_reduce", 2**26, 8, h100.intra), op_time("all_reduce", 2**27, 8, h100.intra)
@@ -287,6 +287,30 @@ def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
     assert main([*args, "--profile", str(profile), "--no-overhead"]) == 0
     table = capsys.readouterr().out
     assert "busbw(GB/s)" in table and "model measured-gloo-2" in table
+
+
+def test_bench_transport_meshlm_times_comm_and_names_its_profile(tmp_path, capsys):
+    import json
+
+    from meshlm.comm.bench import OPS, _make_op, main
+
+    class Calls:  # stands in for Comm: which of its ops each timed closure runs
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: seen.append(name) or Handle((), (), None)
+
+    seen = []
+    for op in OPS:
+        fn, _ = _make_op(op, 4096, 2, 0, torch.device("cpu"), Calls())
+        fn()
+    assert seen == ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "batch_isend_irecv"]
+    profile = tmp_path / "profile.json"
+    args = ["--sizes", "4K,2M", "--ops", "all_reduce,reduce_scatter", "--trials", "2", "--max-iters", "2",
+            "--no-overhead", "--transport", "meshlm"]
+    assert main([*args, "--json", "--save-profile", str(profile)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["transport"] == "meshlm" and len(report["rows"]) == 4
+    assert report["meshlm_ops"] >= 4 * 2 * 2  # every timed op went through Comm (and its warm-ups)
+    assert load_profile(profile).name == "measured-gloo-meshlm-2"
 
 
 # --------------------------------------------------------------------------- gloo's rings

@@ -270,7 +270,7 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--profile", help="links for the prediction: a `meshlm bench comm --save-profile` file "
-                                     "(default: the cpu-loopback preset)")
+                                     "(default: the cpu-shm preset; cpu-loopback with MESHLM_SHM_DISABLE=1)")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"model.preset={opts.preset}", "model.tie_embeddings=false", f"train.seq_len={opts.seq}"]
     try:  # untied embeddings for every engine: DTensor cannot keep one Parameter sharded for two modules
         opts.cfg = resolve(load_config(None, base))
-        links = load_profile(opts.profile) if opts.profile else HARDWARE["cpu-loopback"]
+        # forked ranks share this host: meshlm's collectives go through shared memory, unless disabled
+        local = "cpu-shm" if os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0") else "cpu-loopback"
+        links = load_profile(opts.profile) if opts.profile else HARDWARE[local]
     except (ConfigError, OSError, KeyError, ValueError) as e:
         print(f"meshlm bench scaling: error: {e}", file=sys.stderr)
         return 2

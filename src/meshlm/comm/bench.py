@@ -5,6 +5,8 @@ Costs: about half a minute of the machine with the default sizes (1 KiB to 64 Mi
 
 Run as `meshlm bench comm [--nproc N] [--json]` (forks N local ranks on gloo) or under torchrun
 (`torchrun --nproc-per-node 8 -m meshlm.comm.bench`), which uses that world and its backend.
+`--transport meshlm` times what meshlm's `Comm` runs instead of the library's ops (on gloo: the
+shared-memory collectives on one host, the P2P rings across hosts).
 Timing: each trial starts with a barrier and runs up to `--max-iters` ops back to back, each
 timed on its own; a rank's time is the median over all its ops, and the reported time is the
 slowest rank's (a collective ends when its last rank does). Medians, not nccl-tests' means,
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from meshlm.comm.cost import (HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time,
                               save_profile, steps)
 from meshlm.comm.recorder import FlightRecorder
-from meshlm.comm.traced import Comm
+from meshlm.comm.traced import P2P, Comm
 from meshlm.mesh import Layout, ParallelContext, default_backend
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -53,12 +55,20 @@ def default_sizes(lo: int, hi: int) -> list[int]:
 # --------------------------------------------------------------------------- measuring (every rank)
 
 
-def _make_op(op: str, nbytes: int, n: int, rank: int, device: torch.device):
-    """A closure running one `op` with message size ~nbytes (float32, rounded to a multiple of n)."""
+def _make_op(op: str, nbytes: int, n: int, rank: int, device: torch.device, comm: Comm | None = None):
+    """A closure running one `op` with message size ~nbytes (float32, rounded to a multiple of n):
+    the library's op, or with `comm` what meshlm's `Comm` runs for it (the transport option)."""
     numel = max(n, nbytes // 4 // n * n)
     x = torch.randn(numel, device=device)
     y = torch.empty(numel, device=device)
     part = torch.empty(numel // n, device=device)
+    if comm is not None:
+        return {"all_reduce": lambda: comm.all_reduce(x, "world"),
+                "all_gather": lambda: comm.all_gather(y, part, "world"),
+                "reduce_scatter": lambda: comm.reduce_scatter(part, x, "world"),
+                "all_to_all": lambda: comm.all_to_all(y, x, "world"),
+                "p2p": lambda: comm.batch_isend_irecv([P2P("send", x, (rank + 1) % n),
+                                                       P2P("recv", y, (rank - 1) % n)]).wait()}[op], numel
     if op == "all_reduce":
         return (lambda: dist.all_reduce(x)), numel
     if op == "all_gather":
@@ -127,16 +137,19 @@ def _bench_rank(opts: dict) -> dict:
     ctx = ParallelContext(Layout(dp=dist.get_world_size()))
     n, rank, device = ctx.world_size, ctx.rank, ctx.device
     rows = []
+    comm = Comm(ctx, FlightRecorder(rank, capacity=64)) if opts["transport"] == "meshlm" else None
     for op in opts["ops"]:
         for nbytes in opts["sizes"]:
-            fn, numel = _make_op(op, nbytes, n, rank, device)
+            fn, numel = _make_op(op, nbytes, n, rank, device, comm)
             # More samples of the cheap, noisy small messages; one op per trial for the large ones.
             iters = max(1, min(opts["max_iters"], (4 << 20) // (numel * 4)))
             seconds = _timed(fn, iters, opts["trials"], device)
             rows.append({"op": op, "bytes": numel * 4, "count": numel, "world_size": n, "time_s": seconds})
             del fn
     overhead = _tracing_overhead(ctx) if opts["overhead"] else None
-    return {"rows": rows, "backend": ctx.backend, "device": str(device), "tracing_overhead": overhead}
+    return {"rows": rows, "backend": ctx.backend, "device": str(device), "tracing_overhead": overhead,
+            "transport": "library" if comm is None else "meshlm",
+            "meshlm_ops": 0 if comm is None else sum(r["count"] for r in comm.summary())}
 
 
 # --------------------------------------------------------------------------- fitting and reporting
@@ -167,6 +180,7 @@ def analyse(result: dict, model: Topology | None = None) -> dict:
 
     return {
         "rows": rows, "world_size": n, "backend": result["backend"], "device": result["device"],
+        "transport": result.get("transport", "library"), "meshlm_ops": result.get("meshlm_ops", 0),
         "model": model.name if model else "fit",
         "fit": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": 1 / f.bandwidth_Bps, "busbw_Bps": f.bandwidth_Bps}
                 for op, f in fits.items()},
@@ -179,7 +193,8 @@ def analyse(result: dict, model: Topology | None = None) -> dict:
 
 def format_table(report: dict) -> str:
     n = report["world_size"]
-    lines = [f"# meshlm bench comm: {report['backend']} on {report['device']}, {n} ranks, float32",
+    transport = " (meshlm's Comm)" if report.get("transport") == "meshlm" else ""
+    lines = [f"# meshlm bench comm: {report['backend']}{transport} on {report['device']}, {n} ranks, float32",
              "# time: slowest rank's median op time; algbw = size/time; busbw = algbw * bus factor",
              f"# pred: {'per-op alpha-beta fit' if report['model'] == 'fit' else 'model ' + report['model']}"
              "; ring: ideal ring on the fitted p2p link"]
@@ -216,7 +231,8 @@ def profile_of(report: dict, command: str) -> Topology:
     links: dict[str, Link] = report["_links"]
     link = links.get("p2p") or next(iter(links.values()))
     n = report["world_size"]
-    return Topology(name=f"measured-{report['backend']}-{n}", ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", n)),
+    name = f"measured-{report['backend']}{'-meshlm' if report.get('transport') == 'meshlm' else ''}-{n}"
+    return Topology(name=name, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", n)),
                     intra=link, inter=link, op_links={op: l for op, l in links.items() if op != "p2p"},
                     note=f"fitted by `{command}` on {time.strftime('%Y-%m-%d')}")
 
@@ -238,6 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PATH", help="predict with a saved profile instead of fitting")
     p.add_argument("--preset", choices=sorted(HARDWARE), help="predict with a hardware preset instead of fitting")
     p.add_argument("--no-overhead", action="store_true", help="skip the tracing-overhead measurement")
+    p.add_argument("--transport", choices=("library", "meshlm"), default="library",
+                   help="library: torch.distributed's ops (default); meshlm: what meshlm's Comm runs for them "
+                        "(on gloo: shared memory on one host, P2P rings across hosts)")
     return p
 
 
@@ -270,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshlm bench comm: error: --profile: cannot read {args.profile}: {e}", file=sys.stderr)
         return 2
     opts = {"ops": ops, "sizes": sizes, "trials": args.trials, "max_iters": args.max_iters,
-            "overhead": not args.no_overhead}
+            "overhead": not args.no_overhead, "transport": args.transport}
 
     load_before = os.getloadavg()[0]  # other processes on the machine make every timing noisy
     try:

@@ -204,6 +204,14 @@ _LOOPBACK_OPS = {
     "reduce_scatter": Link(alpha_s=580e-6, bandwidth_Bps=0.33e9),  # a full all_reduce, then a copy
     "all_to_all": Link(alpha_s=135e-6, bandwidth_Bps=0.92e9),
 }
+# `meshlm bench comm --transport meshlm --min-bytes 64K` on the same VM: what meshlm's Comm runs for
+# ranks on one host (comm/shared_memory.py; all-reduces under 1 MiB stay gloo's), rounded.
+_SHM_OPS = {
+    "all_reduce": Link(alpha_s=320e-6, bandwidth_Bps=3.9e9),
+    "all_gather": Link(alpha_s=390e-6, bandwidth_Bps=2.8e9),
+    "reduce_scatter": Link(alpha_s=430e-6, bandwidth_Bps=2.2e9),
+    "all_to_all": _LOOPBACK_OPS["all_to_all"],  # gloo's own
+}
 HARDWARE: dict[str, Topology] = {
     "h100": Topology(
         "h100", 8,
@@ -223,6 +231,9 @@ HARDWARE: dict[str, Topology] = {
     "cpu-loopback": Topology(
         "cpu-loopback", 1 << 20, intra=_LOOPBACK, inter=_LOOPBACK, op_links=_LOOPBACK_OPS,
         note="gloo over TCP loopback on the 2-core development VM (see docs/communication.md)"),
+    "cpu-shm": Topology(
+        "cpu-shm", 1 << 20, intra=_LOOPBACK, inter=_LOOPBACK, op_links=_SHM_OPS,
+        note="meshlm's collectives through shared memory, ranks on one host, on the 2-core development VM"),
 }
 
 
