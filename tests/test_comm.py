@@ -310,7 +310,9 @@ def test_bench_transport_meshlm_times_comm_and_names_its_profile(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["transport"] == "meshlm" and len(report["rows"]) == 4
     assert report["meshlm_ops"] >= 4 * 2 * 2  # every timed op went through Comm (and its warm-ups)
-    assert load_profile(profile).name == "measured-gloo-meshlm-2"
+    saved = load_profile(profile)
+    assert saved.name == "measured-gloo-meshlm-2"
+    assert report["shared_memory"] and not saved.background  # its collectives run when waited
 
 
 # --------------------------------------------------------------------------- gloo's rings

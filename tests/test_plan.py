@@ -10,7 +10,8 @@ import pytest
 from meshlm.analysis import plan as planner
 from meshlm.analysis.memory import predict
 from meshlm.analysis.pipeline_sim import OpCosts, simulate_schedule
-from meshlm.analysis.steptime import SIM_MICROBATCHES_MIN, SIM_MICROBATCHES_PER_STAGE, Layout, StepTime, _pipeline, step_time
+from meshlm.analysis.steptime import (SIM_MICROBATCHES_MIN, SIM_MICROBATCHES_PER_STAGE, Layout, StepTime, _pipeline,
+                                      rank_params, step_time)
 from meshlm.analysis.plan_report import overrides
 from meshlm.cli import main as cli_main
 from meshlm.config import load_config, resolve
@@ -139,6 +140,37 @@ def test_recompute_and_tp_cost_time_and_the_bottleneck_is_named():
     fsdp = step_time(work, Layout(64, 1, 1, 1, 3, "full", 1))  # ZeRO-3 re-gathers 140 GB per micro-batch
     assert fsdp.bottleneck == "dp comm"
     assert step_time(planner.workload("1b", 1), Layout(1, 1, 1, 1, 0, "none", 4)).bottleneck == "compute"
+
+
+def test_collectives_without_background_progress_hide_nothing_under_backward():
+    from dataclasses import replace
+
+    from meshlm.analysis.steptime import Workload
+    from meshlm.comm.cost import HARDWARE
+
+    class Device:  # the scaling bench's calibrated device: a flop rate and a comm topology
+        def __init__(self, links):
+            self.links = links
+
+        def peak_tflops(self, dtype="float32"):
+            return 0.1
+
+        def topology(self, gpus_per_node=None):
+            return self.links
+
+    cfg = resolve(load_config(None, ["model.preset=125m"]))  # gradients of many 25 MiB buckets
+    shm = HARDWARE["cpu-shm"]
+    for zero in (0, 3):
+        lay = Layout(dp=2, tp=1, pp=1, cp=1, zero=zero, recompute="none", micro_batch_size=8)
+        hidden, exposed = (step_time(Workload(cfg.model, 128, 16, "float32", Device(links), 2, 2), lay)
+                           for links in (replace(shm, background=True), shm))
+        assert exposed.exposed_comm_s > hidden.exposed_comm_s > 0, zero
+        # Nothing hidden: DDP's whole all-reduce; ZeRO-3's gathers (forward, backward) and reduce-scatter.
+        work = Workload(cfg.model, 128, 16, "float32", Device(shm), 2, 2)
+        state = 4 * rank_params(work, lay, 0)
+        whole = (work.comm_time("all_reduce", state, 2, 1) if zero == 0 else
+                 2 * work.comm_time("all_gather", state, 2, 1) + work.comm_time("reduce_scatter", state, 2, 1))
+        assert exposed.dp_comm_s == pytest.approx(whole, rel=1e-9), zero
 
 
 # --------------------------------------------------------------------------- the command line

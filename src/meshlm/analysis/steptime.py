@@ -2,8 +2,9 @@
 the alpha-beta model on a two-tier topology, the pipeline bubble from the simulator.
 Reduces: running a layout to learn what it costs; `meshlm plan` ranks thousands of them with it.
 Costs: fidelity; one efficiency for every kernel, no compute/communication contention, and ideal
-overlap where the engines overlap (all stated below), so trust differences between layouts more
-than absolute times.
+overlap where the engines overlap (all stated below; none where the topology's collectives do not
+progress in the background, as meshlm's shared-memory ones), so trust differences between layouts
+more than absolute times.
 
 One step = m micro-batches through each pipeline (m = global batch / (dp x micro-batch)). Per
 micro-batch, each pipeline rank spends, for its layers (the last rank also runs the LM head):
@@ -274,7 +275,9 @@ def _add_dp(work: Workload, lay: Layout, ranks: list[_Rank]) -> None:
         params = rank_params(work, lay, r)
         grads, weights = 4 * params, item * params
         last_bucket = t("all_reduce" if lay.zero == 0 else "reduce_scatter", min(BUCKET_BYTES, grads))
-        window = rank.backward  # one micro-batch's backward (no dp part yet)
+        # one micro-batch's backward (no dp part yet) to hide under, if collectives progress meanwhile
+        background = work.topology.background
+        window = rank.backward if background else 0.0
         if lay.zero == 0:  # DDP: one all-reduce, hidden under the last micro-batch's backward
             rank.dp_end = max(last_bucket, t("all_reduce", grads) - window)
         elif lay.zero == 1:  # reduce-scatter hidden like DDP's; the all-gather after AdamW is not
@@ -284,7 +287,7 @@ def _add_dp(work: Workload, lay: Layout, ranks: list[_Rank]) -> None:
             rank.dp_end = t("all_gather", weights)
         else:  # ZeRO-3: gather before forward (prefetched), again before backward, reduce-scatter
             first_unit = t("all_gather", item * _layer_params(work.model) / lay.tp)
-            rank.dp_fwd = max(first_unit, t("all_gather", weights) - rank.forward)
+            rank.dp_fwd = max(first_unit, t("all_gather", weights) - (rank.forward if background else 0.0))
             rank.dp_bwd = max(last_bucket, t("all_gather", weights) + t("reduce_scatter", grads) - window)
 
 

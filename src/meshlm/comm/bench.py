@@ -149,7 +149,8 @@ def _bench_rank(opts: dict) -> dict:
     overhead = _tracing_overhead(ctx) if opts["overhead"] else None
     return {"rows": rows, "backend": ctx.backend, "device": str(device), "tracing_overhead": overhead,
             "transport": "library" if comm is None else "meshlm",
-            "meshlm_ops": 0 if comm is None else sum(r["count"] for r in comm.summary())}
+            "meshlm_ops": 0 if comm is None else sum(r["count"] for r in comm.summary()),
+            "shared_memory": comm is not None and comm.uses_shared_memory("world")}
 
 
 # --------------------------------------------------------------------------- fitting and reporting
@@ -181,6 +182,7 @@ def analyse(result: dict, model: Topology | None = None) -> dict:
     return {
         "rows": rows, "world_size": n, "backend": result["backend"], "device": result["device"],
         "transport": result.get("transport", "library"), "meshlm_ops": result.get("meshlm_ops", 0),
+        "shared_memory": result.get("shared_memory", False),
         "model": model.name if model else "fit",
         "fit": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": 1 / f.bandwidth_Bps, "busbw_Bps": f.bandwidth_Bps}
                 for op, f in fits.items()},
@@ -234,7 +236,8 @@ def profile_of(report: dict, command: str) -> Topology:
     name = f"measured-{report['backend']}{'-meshlm' if report.get('transport') == 'meshlm' else ''}-{n}"
     return Topology(name=name, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", n)),
                     intra=link, inter=link, op_links={op: l for op, l in links.items() if op != "p2p"},
-                    note=f"fitted by `{command}` on {time.strftime('%Y-%m-%d')}")
+                    note=f"fitted by `{command}` on {time.strftime('%Y-%m-%d')}",
+                    background=not report.get("shared_memory", False))
 
 
 # --------------------------------------------------------------------------- command line

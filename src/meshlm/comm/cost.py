@@ -154,6 +154,9 @@ class Topology:
     inter: Link
     op_links: Mapping[str, Link] = field(default_factory=dict)
     note: str = ""
+    # Whether an async collective progresses while the host computes (NCCL's stream, gloo's
+    # thread), so it can hide under backward; meshlm's shared-memory ones run when waited.
+    background: bool = True
 
     def spans_nodes(self, ranks: Sequence[int]) -> bool:
         return len({r // self.ranks_per_node for r in ranks}) > 1
@@ -179,7 +182,7 @@ class Topology:
     def from_dict(cls, d: Mapping) -> "Topology":
         return cls(name=d["name"], ranks_per_node=int(d["ranks_per_node"]), intra=Link(**d["intra"]),
                    inter=Link(**d["inter"]), op_links={k: Link(**v) for k, v in d.get("op_links", {}).items()},
-                   note=d.get("note", ""))
+                   note=d.get("note", ""), background=bool(d.get("background", True)))
 
 
 def save_profile(topology: Topology, path: str, **extra) -> None:
@@ -232,7 +235,7 @@ HARDWARE: dict[str, Topology] = {
         "cpu-loopback", 1 << 20, intra=_LOOPBACK, inter=_LOOPBACK, op_links=_LOOPBACK_OPS,
         note="gloo over TCP loopback on the 2-core development VM (see docs/communication.md)"),
     "cpu-shm": Topology(
-        "cpu-shm", 1 << 20, intra=_LOOPBACK, inter=_LOOPBACK, op_links=_SHM_OPS,
+        "cpu-shm", 1 << 20, intra=_LOOPBACK, inter=_LOOPBACK, op_links=_SHM_OPS, background=False,
         note="meshlm's collectives through shared memory, ranks on one host, on the 2-core development VM"),
 }
 
