@@ -3,8 +3,9 @@
 reduce-scatter and all-gather of contiguous floating-point tensors.
 
 Reduces: the cost of moving bytes through loopback TCP (gloo's all-reduce, and meshlm's P2P rings,
-whose every gloo send/recv costs ~1 ms here): 16 MiB all-reduce on 2 ranks, 10.2 ms with gloo,
-5.2 ms here. NCCL does the same inside a node (its SHM and P2P transports).
+whose every gloo send/recv costs ~1 ms here): 16 MiB all-reduce on 2 ranks, 8.9 ms with gloo,
+4.1 ms here (benchmarks/collectives.py). NCCL does the same inside a node (its SHM and P2P
+transports).
 Costs: a window of 2 x n slots of /dev/shm per set of ranks (slots as large as the largest op
 needs, 1-16 MiB; smaller where /dev/shm is small; none, and gloo's or the rings' op, where the
 ranks are on different hosts or /dev/shm has no room), one gloo barrier (~0.2 ms) per phase, and
