@@ -300,3 +300,36 @@ def test_bench_dp_json_follows_the_design_schema(capsys):
         assert 0 <= row["meshlm_exposed_comm_share"] < 1
     assert [r["reference"] for r in report["rows"]] == ["torch DDP", "fully_shard"]
     assert main(["--zero", "5"]) == 2  # bad usage: exit 2
+
+
+def _reference_models_rank(zero):
+    from meshlm.bench import dp as bench
+    from meshlm.train.checkpoint.hf import hf_name
+
+    class Opts:
+        dim, layers, heads, ffn, vocab, seq, batch = 32, 2, 2, 64, 300, 16, 2
+
+    cfg = bench.model_config(Opts)
+    comm = comm_here()
+    engines = [bench.Engine("reference", zero, cfg, comm, torch.device("cpu"), reference_model=m)
+               for m in ("meshlm", "transformers")]
+    for step in range(2):
+        batch = bench._batch(step, Opts, torch.device("cpu"))
+        for engine in engines:
+            engine.step(*batch)
+    ours, theirs = ({n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                     for n, p in e.model.named_parameters()} for e in engines)
+    return type(engines[1].model).__name__, max((ours[n] - theirs[hf_name(n)]).abs().max().item() for n in ours)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bench_reference_on_transformers_llama_trains_the_same_model(zero, capsys):
+    """--reference-model transformers: torch DDP / fully_shard on LlamaForCausalLM with meshlm's
+    weights take the same steps as on meshlm's Llama, so the bench compares like with like."""
+    from meshlm.bench.dp import main
+
+    for model, difference in run_ranks(_reference_models_rank, 2, zero, timeout=120):
+        assert model == "LlamaForCausalLM" and difference <= 1e-5
+    assert main(["--zero", "0", "--steps", "1", "--warmup", "0", "--dim", "32", "--layers", "2", "--heads", "2",
+                 "--ffn", "64", "--vocab", "300", "--seq", "16", "--batch", "2", "--reference-model", "transformers"]) == 0
+    assert "torch DDP + HF Llama" in capsys.readouterr().out

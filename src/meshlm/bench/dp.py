@@ -32,6 +32,11 @@ from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
 
 
+def reference_label(engine: str, reference_model: str) -> str:
+    """The reference column: PyTorch's engine, and the model it runs when that is not meshlm's."""
+    return engine if reference_model == "meshlm" else f"{engine} + HF Llama"
+
+
 # --------------------------------------------------------------------------- engines (every rank)
 
 
@@ -61,7 +66,7 @@ class Engine:
     alone: no communication), on `cfg.model` (copied, not changed)."""
 
     def __init__(self, kind: str, zero: int, cfg, comm, device, bucket_mb: float = 25.0,
-                 capture_buckets: bool = False) -> None:
+                 capture_buckets: bool = False, reference_model: str = "meshlm") -> None:
         import copy
 
         from meshlm.config import TrainConfig
@@ -84,7 +89,18 @@ class Engine:
             self.module = self.dp.module
         elif kind == "compute":  # no communication at all: the compute-only step
             self.module = model
-        elif zero < 2:
+        else:
+            if reference_model == "transformers":  # the same weights in transformers' Llama
+                from meshlm.bench.hf_twin import transformers_twin
+
+                model = transformers_twin(model, device)
+            self._wrap_reference(model, zero, bucket_mb, capture_buckets)
+        self.model = model
+        self.optimizer = build_optimizer(model, train) if self.dp is None else None
+
+    def _wrap_reference(self, model, zero: int, bucket_mb: float, capture_buckets: bool) -> None:
+        """torch DDP (zero 0/1) or fully_shard per block, then the root (zero 2/3), around `model`."""
+        if zero < 2:
             self.module = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
             if capture_buckets:  # the reducer's bucket buffers live in C++: make them visible
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -98,18 +114,18 @@ class Engine:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh(device.type, (self.n,))
-            for block in model.layers:
+            mesh = init_device_mesh(next(model.parameters()).device.type, (self.n,))
+            blocks = model.model.layers if hasattr(model, "model") else model.layers  # transformers' or meshlm's
+            for block in blocks:
                 fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
             fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
             self.module = model
-        self.model = model
-        self.optimizer = build_optimizer(model, train) if self.dp is None else None
 
     def step(self, inputs, targets, tokens) -> None:
         from meshlm.model.loss import token_loss_sum
 
-        loss = token_loss_sum(self.module(inputs), targets) / tokens
+        out = self.module(inputs)
+        loss = token_loss_sum(getattr(out, "logits", out), targets) / tokens  # transformers returns an output object
         if self.dp is not None:
             loss.backward()
             self.dp.finish_backward()
@@ -136,10 +152,11 @@ def _batch(step, opts, device):
                         (dist.get_rank(), dist.get_world_size()))
 
 
-def fresh_peak_bytes(kind: str, zero: int, cfg, comm, device, bucket_mb: float, warm_batch, batch) -> int:
+def fresh_peak_bytes(kind: str, zero: int, cfg, comm, device, bucket_mb: float, warm_batch, batch,
+                     reference_model: str = "meshlm") -> int:
     """Peak bytes of one step of a fresh engine after one warm-up step (optimizer state exists);
     fresh, because seeing torch DDP's bucket buffers takes a Python comm hook, too slow to time."""
-    engine = Engine(kind, zero, cfg, comm, device, bucket_mb, capture_buckets=True)
+    engine = Engine(kind, zero, cfg, comm, device, bucket_mb, capture_buckets=True, reference_model=reference_model)
     engine.step(*warm_batch)
     # ZeRO-3 frees gathered parameters by resizing storages in place: follow resizes.
     return measured_peak(engine, batch, comm, device, track_resizes=True)
@@ -159,12 +176,13 @@ def _bench_rank(opts) -> list[dict]:
     cfg = model_config(opts)
     n_params = sum(p.numel() for p in build_model(cfg, "cpu").parameters())
     for zero in opts.zero:
-        engines = {k: Engine(k, zero, cfg, comm, device, opts.bucket_mb) for k in ("meshlm", "reference", "compute")}
+        engines = {k: Engine(k, zero, cfg, comm, device, opts.bucket_mb, reference_model=opts.reference_model)
+                   for k in ("meshlm", "reference", "compute")}
         timed = alternate(engines, lambda i: _batch(i, opts, device), comm, device, opts.warmup, opts.steps)
         times = {k: [t for t, _ in v] for k, v in timed.items()}
         del engines
         peaks = {k: fresh_peak_bytes(k, zero, cfg, comm, device, opts.bucket_mb, _batch(1, opts, device),
-                                     _batch(0, opts, device)) for k in ("meshlm", "reference")}
+                                     _batch(0, opts, device), opts.reference_model) for k in ("meshlm", "reference")}
         tokens = opts.batch * opts.seq * dist.get_world_size()
         compute = statistics.median(times["compute"])
 
@@ -172,7 +190,8 @@ def _bench_rank(opts) -> list[dict]:
             return exposed_share(statistics.median(times[k]), compute)
 
         rows.append(bench_row(
-            f"zero{zero}", dist.get_world_size(), REFERENCES[zero], [tokens / t for t in times["meshlm"]],
+            f"zero{zero}", dist.get_world_size(), reference_label(REFERENCES[zero], opts.reference_model),
+            [tokens / t for t in times["meshlm"]],
             [tokens / t for t in times["reference"]], peaks["meshlm"], peaks["reference"],
             zero=zero, parameters=n_params, meshlm_step_s=statistics.median(times["meshlm"]),
             reference_step_s=statistics.median(times["reference"]), compute_only_step_s=compute,
@@ -197,6 +216,9 @@ def _parse(argv):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP/ZeRO bucket size for both sides")
+    p.add_argument("--reference-model", choices=("meshlm", "transformers"), default="meshlm",
+                   help="the model PyTorch's engines run: meshlm's Llama (engine against engine, default) or "
+                        "transformers' LlamaForCausalLM with the same weights (stack against stack)")
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
     try:

@@ -79,22 +79,11 @@ class TransformersEngine:
     """LlamaForCausalLM with meshlm's weights, fused AdamW, optionally under torch.compile."""
 
     def __init__(self, meshlm: MeshlmEngine, compile_backend: str | None) -> None:
-        import transformers
-
+        from meshlm.bench.hf_twin import transformers_twin
         from meshlm.parallel.mixed_precision import decays
-        from meshlm.train.checkpoint.hf import hf_name
-        from meshlm.train.checkpoint.hf_export import llama_config
 
-        module, t, device = meshlm.dp.module, meshlm.train, meshlm.device
-        config = transformers.LlamaConfig(**{**llama_config(module.cfg, None), "use_cache": False},
-                                          attn_implementation="sdpa")  # flash / memory-efficient kernels on CUDA
-        with torch.device(device):
-            self.model = transformers.LlamaForCausalLM(config)
-        missing, unexpected = self.model.load_state_dict(
-            {hf_name(n): p.detach() for n, p in module.named_parameters()}, strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise RuntimeError(f"transformers twin: missing {missing}, unexpected {unexpected}")
-        self.model.train()
+        t, device = meshlm.train, meshlm.device
+        self.model = transformers_twin(meshlm.dp.module, device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if decays(p)], "weight_decay": t.weight_decay},
                   {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from meshlm.bench.dp import reference_label
 from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, pin_rank_to_core,
                                   steal_fraction)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
@@ -131,13 +132,14 @@ def _world_rank(p: dict) -> dict:
     compute = {"compute": Engine("compute", 0, cfg, comm, device)}  # timed beside the first DP pair
     for name in [e for e in p["engines"] if e != "tp"]:
         zero = ENGINES[name][2]
-        engines = {k: Engine(k, zero, cfg, comm, device, bucket) for k in ("meshlm", "reference")}
+        engines = {k: Engine(k, zero, cfg, comm, device, bucket, reference_model=p["reference_model"])
+                   for k in ("meshlm", "reference")}
         out[name] = alternate({**engines, **compute}, dp_batch, comm, device, p["warmup"], p["steps"])
         if compute:
             out["compute"], compute = out[name].pop("compute"), {}
         del engines
-        out[name]["peaks"] = {k: fresh_peak_bytes(k, zero, cfg, comm, device, bucket, dp_batch(1), dp_batch(0))
-                              for k in ("meshlm", "reference")}
+        out[name]["peaks"] = {k: fresh_peak_bytes(k, zero, cfg, comm, device, bucket, dp_batch(1), dp_batch(0),
+                                                  p["reference_model"]) for k in ("meshlm", "reference")}
     if compute:  # TP alone still needs the compute-only step (at W=1: the baseline)
         out["compute"] = alternate(compute, dp_batch, comm, device, p["warmup"], p["steps"])["compute"]
     if p["tp"]:
@@ -169,6 +171,8 @@ def point_rows(world: int, raw: dict, opts, base_tokens_per_s: float, device: Ca
     for engine in [e for e in opts.engines if e in raw]:
         r = raw[engine]
         label, reference, _ = ENGINES[engine]
+        if engine != "tp":  # DTensor TP always runs meshlm's Llama (its plan names meshlm's modules)
+            reference = reference_label(reference, opts.reference_model)
         m_s, r_s = statistics.median(t for t, _ in r["meshlm"]), statistics.median(t for t, _ in r["reference"])
         predicted = predict(engine, opts.cfg.model, opts.seq, rows_, world, device)
         row = bench_row(
@@ -271,6 +275,9 @@ def _parse(argv):
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--profile", help="links for the prediction: a `meshlm bench comm --save-profile` file "
                                      "(default: the cpu-shm preset; cpu-loopback with MESHLM_SHM_DISABLE=1)")
+    p.add_argument("--reference-model", choices=("meshlm", "transformers"), default="meshlm",
+                   help="the model torch DDP and fully_shard run (DTensor TP keeps meshlm's Llama): meshlm's "
+                        "(default) or transformers' LlamaForCausalLM with the same weights")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
@@ -294,9 +301,11 @@ def _parse(argv):
     return opts
 
 
-def _preload() -> None:
+def _preload(reference_model: str) -> None:
     """Import what the ranks use before forking them: each W's ranks inherit it instead of
     importing it again."""
+    if reference_model == "transformers":
+        import transformers.models.llama  # noqa: F401  (seconds per rank otherwise)
     import torch._dynamo  # noqa: F401  (torch.optim's first optimizer imports it: 1-2 s per rank)
     import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
@@ -349,12 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     skips = _tp_skips(opts, base)
     cores = os.cpu_count()
-    _preload()
+    _preload(opts.reference_model)
     before, raw = cpu_times(), {}
     for w in opts.worlds:
         params = dict(cfg=opts.cfg, seq=opts.seq, rows=global_rows(opts.mode, w, opts.batch, opts.global_batch),
                       bucket_mb=opts.bucket_mb, engines=opts.engines, warmup=opts.warmup, steps=opts.steps,
-                      tp="tp" in opts.engines and w not in skips)
+                      tp="tp" in opts.engines and w not in skips, reference_model=opts.reference_model)
         raw[w] = run_ranks(_world_rank, w, params, timeout=3600)[0]
     steal = steal_fraction(before, cpu_times())
     rows1 = global_rows(opts.mode, 1, opts.batch, opts.global_batch)
