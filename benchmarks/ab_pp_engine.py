@@ -22,7 +22,7 @@ def rank_fn(kind: str, rounds: int, change: str) -> dict[str, list[float]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from meshlm.bench.pp import VIRTUAL, ChunkModule, build_stage
-    from meshlm.bench.report import pin_rank_to_core
+    from meshlm.bench.report import prepare_cpu_rank
     from meshlm.comm import Comm
     from meshlm.config import load_config, resolve
     from meshlm.mesh import Layout, ParallelContext
@@ -33,7 +33,7 @@ def rank_fn(kind: str, rounds: int, change: str) -> dict[str, list[float]]:
 
     pp, m, v = 2, 8, VIRTUAL[kind]
     ctx = ParallelContext(Layout(pp=pp))
-    pin_rank_to_core(ctx.rank, ctx.device)
+    prepare_cpu_rank(ctx.rank, ctx.device)
     cfg = resolve(load_config(None, ["model.preset=tiny", "model.tie_embeddings=false", "train.seq_len=128",
                                      "train.global_batch_size=16", f"parallel.pp={pp}", f"parallel.pp_schedule={kind}",
                                      f"parallel.pp_virtual={v}", f"parallel.pp_microbatches={m}"]), world_size=pp)

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from meshlm.bench.report import pin_rank_to_core  # noqa: E402
+from meshlm.bench.report import prepare_cpu_rank  # noqa: E402
 from meshlm.comm import Comm  # noqa: E402
 from meshlm.mesh import Layout, ParallelContext  # noqa: E402
 from meshlm.testing import run_ranks  # noqa: E402
@@ -21,7 +21,7 @@ from meshlm.testing import run_ranks  # noqa: E402
 
 def bench(numel):
     r, n = dist.get_rank(), dist.get_world_size()
-    pin_rank_to_core(r, torch.device("cpu"))
+    prepare_cpu_rank(r, torch.device("cpu"))
     ctx = ParallelContext(Layout(dp=n))
     shm = Comm(ctx)
     os.environ["MESHLM_SHM_DISABLE"] = "1"

@@ -30,7 +30,7 @@ SIDES = {"default": [], "off": ["train.track_memory=false"], "every": ["train.me
 def rank_fn(layout: list[str], steps: int, rounds: int, corpus: str, run_dir: str) -> dict[str, list[float]]:
     import torch
 
-    from meshlm.bench.report import pin_rank_to_core
+    from meshlm.bench.report import prepare_cpu_rank
     from meshlm.config import load_config, resolve
     from meshlm.mesh import ParallelContext
     from meshlm.train.data import prepare_data
@@ -42,7 +42,7 @@ def rank_fn(layout: list[str], steps: int, rounds: int, corpus: str, run_dir: st
         cfg = resolve(load_config(None, [*SHAPE, *layout, *extra, f"data.path={corpus}", f"run.dir={run_dir}"]),
                       world_size=2)
         ctx = ParallelContext.from_config(cfg.parallel)
-        pin_rank_to_core(ctx.rank, ctx.device)
+        prepare_cpu_rank(ctx.rank, ctx.device)
         torch.manual_seed(0)
         trainer = Trainer(cfg, ctx, prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None))
         trainer.metrics.active = False

@@ -108,25 +108,15 @@ def _train(engine_kind, steps, **options):
     return grads, {k: v.detach().clone() for k, v in params.items()}
 
 
-def _poisoned_train(engine_kind, steps, keep_buffer, **options):
-    from meshlm.parallel import ddp
-
-    ddp_init = ddp.DDP.__init__
-
-    def init(self, *args, **kwargs):  # keep_grad_buffer=False: a fresh gradient buffer every step, as on CUDA
-        ddp_init(self, *args, **kwargs)
-        self.keep_grad_buffer = keep_buffer
-
-    ddp.DDP.__init__ = init
+def _poisoned_train(engine_kind, steps, **options):
     with poisoned_empty():
         return _train(engine_kind, steps, **options)
 
 
-@pytest.mark.parametrize("kind,keep_buffer", [("ddp", True), ("zero1", True), ("zero2", True), ("ddp", False),
-                                              ("zero1", False)])
-def test_equals_torch_distributed_data_parallel(kind, keep_buffer):
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
+def test_equals_torch_distributed_data_parallel(kind):
     reference = run_ranks(_train, 2, "torch", 5, timeout=120)[0]
-    for grads, params in run_ranks(_poisoned_train, 2, kind, 5, keep_buffer, bucket_bytes=SMALL_BUCKETS, timeout=120):
+    for grads, params in run_ranks(_poisoned_train, 2, kind, 5, bucket_bytes=SMALL_BUCKETS, timeout=120):
         for name, g in reference[0].items():
             assert (grads[name] - g).abs().max() <= 1e-6, name
         for name, p in reference[1].items():
@@ -216,16 +206,15 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-def _unused_rank(use_on_step, keep_buffer=True):
+def _unused_rank(use_on_step):
     with poisoned_empty():  # the unused parameters' slots are never written: they must be zeroed
-        return _unused_steps(use_on_step, keep_buffer)
+        return _unused_steps(use_on_step)
 
 
-def _unused_steps(use_on_step, keep_buffer):
+def _unused_steps(use_on_step):
     torch.manual_seed(0)
     model = Branchy()
     dp = DDP(model, comm_here(), TRAIN, bucket_bytes=16)
-    dp.keep_grad_buffer = keep_buffer  # False: a fresh buffer every step, as on CUDA
     x = torch.randn(4, 4) + dist.get_rank()
     grads = []
     for step in range(3):
@@ -238,9 +227,8 @@ def _unused_steps(use_on_step, keep_buffer):
     return dp.unused_parameters, grads
 
 
-@pytest.mark.parametrize("keep_buffer", [True, False])
-def test_unused_parameters_are_found_on_the_first_step(keep_buffer):
-    results = run_ranks(_unused_rank, 2, None, keep_buffer, timeout=60)
+def test_unused_parameters_are_found_on_the_first_step():
+    results = run_ranks(_unused_rank, 2, None, timeout=60)
     unused, grads = results[0]
     assert sorted(unused) == ["unused.bias", "unused.weight"]
     assert grads[0]["a.weight"].abs().sum() > 0

@@ -17,10 +17,9 @@ with its breakdown and its name (`phase`). See docs/memory.md for each term's de
 
 The model state per engine (N = this rank's parameters, d = dp x cp, p = 2 in bf16 else 4):
 
-    DDP (zero 0)  params 4N, grads 4N (on CUDA once backward starts; on the CPU kept between steps),
-                  AdamW 8N; bf16 is autocast: the bf16 weight copies are saved activations (2 bytes
-                  per matmul weight and forward)
-    ZeRO-1        params pN, grads pN (full buffer, lifetime as DDP's), masters 4N/d in bf16, AdamW 8N/d
+    DDP (zero 0)  params 4N, grads 4N once backward starts, AdamW 8N; bf16 is autocast: the bf16
+                  weight copies are saved activations (2 bytes per matmul weight and forward)
+    ZeRO-1        params pN, grads pN (full buffer), masters 4N/d in bf16, AdamW 8N/d
     ZeRO-2        params pN, grads pN/d, one bucket of fp32 staging in backward, masters, AdamW 8N/d
     ZeRO-3/FSDP   fp32 shard 4N/d, grad shard 4N/d, AdamW 8N/d, plus the gathered units (p bytes):
                   the root (embeddings, norm, head) from forward to backward, the block being
@@ -240,7 +239,6 @@ class _State:
     reduces_in_backward: bool = False  # FSDP: each unit's reduction starts inside backward
     grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
                               # rather than from its first reduction (zero 2/3: the shard)
-    grads_kept: bool = False  # ... and from the step's start: zero 0/1 on the CPU keep it (ddp.zero_grad)
 
 
 def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
@@ -259,9 +257,8 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
 
     largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
-    kept = backend != "nccl"  # gloo and shm run on the CPU, where DDP and ZeRO-1 keep the buffer
     if p.zero == 0:
-        return _State(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, step=2 * 4 * largest, grads_kept=kept)
+        return _State(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, step=2 * 4 * largest)
     master = 4 * n / d if bf16 else 0
     fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
     if p.zero in (1, 2):
@@ -273,7 +270,7 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
         if p.zero == 1:
             wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
             return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
-                          reduction=wide + copies * last, step=shard_step, grads_kept=kept)
+                          reduction=wide + copies * last, step=shard_step)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
         # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
         bucket = min(stage2_bucket_bytes(item * n) // item, n)
@@ -337,7 +334,7 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
     program = _program(cfg, pp_rank)
     saved = {c * p.pp + pp_rank: _chunk_saved(cfg, c * p.pp + pp_rank) for c in range(p.pp_virtual)}
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
-    live, grads = 0, s.grads_kept
+    live, grads = 0, False
     for i, (forward, chunk) in enumerate(program):
         stage = chunk * p.pp + pp_rank
         if forward:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, emit, pin_rank_to_core, run_on_ranks
+from meshlm.bench.report import bench_row, emit, prepare_cpu_rank, run_on_ranks
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
 from meshlm.train.memtrack import measure_peak_bytes
 
@@ -183,7 +183,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
     world = dist.get_world_size()
     ctx = ParallelContext(Layout(cp=world))
     comm = Comm(ctx)
-    pin_rank_to_core(ctx.rank, ctx.device)
+    prepare_cpu_rank(ctx.rank, ctx.device)
     mesh = init_device_mesh(ctx.device.type, (world,))
     # Head-tail load balancing on (it is torch's default; meshlm always balances), the rotation
     # method as asked: the options torch 2.13 has (its old `_set_cp_global_var` is gone).

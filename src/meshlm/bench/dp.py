@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import bench_row, parse_args, pin_rank_to_core, run_and_emit
+from meshlm.bench.report import bench_row, parse_args, prepare_cpu_rank, run_and_emit
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
@@ -124,8 +124,9 @@ class Engine:
     def step(self, inputs, targets, tokens) -> None:
         from meshlm.model.loss import token_loss_sum
 
-        out = self.module(inputs)
-        loss = token_loss_sum(getattr(out, "logits", out), targets) / tokens  # transformers returns an output object
+        # one expression: no name keeps the logits alive through backward (transformers returns
+        # an output object holding them)
+        loss = token_loss_sum(_logits(self.module(inputs)), targets) / tokens
         if self.dp is not None:
             loss.backward()
             self.dp.finish_backward()
@@ -145,6 +146,11 @@ class Engine:
         for st in self.optimizer.state.values():
             out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
         return out
+
+
+def _logits(out):
+    """A model's logits: meshlm's Llama returns them, transformers' an object holding them."""
+    return getattr(out, "logits", out)
 
 
 def _batch(step, opts, device):
@@ -171,7 +177,7 @@ def _bench_rank(opts) -> list[dict]:
     ctx = ParallelContext(Layout(dp=dist.get_world_size()))
     comm = Comm(ctx)
     device = ctx.device
-    pin_rank_to_core(ctx.rank, device)
+    prepare_cpu_rank(ctx.rank, device)
     rows = []
     cfg = model_config(opts)
     n_params = sum(p.numel() for p in build_model(cfg, "cpu").parameters())

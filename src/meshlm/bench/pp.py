@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
+from meshlm.bench.report import bench_row, prepare_cpu_rank, run_and_emit
 from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -88,7 +88,7 @@ def _bench_rank(a: dict) -> list[dict]:
     pp = dist.get_world_size()
     ctx = ParallelContext(Layout(pp=pp))
     comm, rank, device = Comm(ctx), ctx.rank, ctx.device
-    pin_rank_to_core(rank, device)
+    prepare_cpu_rank(rank, device)
     m = a["microbatches"]
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 4096, (a["batch"], a["seq_len"] + 1), generator=gen) for _ in range(4)]

@@ -142,10 +142,18 @@ def steal_fraction(before: list[int] | None, after: list[int] | None) -> float |
     return delta[7] / sum(delta) if sum(delta) else 0.0
 
 
-def pin_rank_to_core(rank: int, device) -> None:
-    """Forked CPU ranks: one core each (when there are enough), so the OS never migrates a rank or
-    stacks two on one core mid-step; both sides of a paired benchmark run under the same pinning."""
-    if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
+def prepare_cpu_rank(rank: int, device) -> None:
+    """A CPU rank of a benchmark set up as `meshlm train` sets up its ranks: glibc malloc keeps
+    what a step frees (train/host_memory.py; without it, a buffer freed and allocated again every
+    step can fault all its pages in each time). Forked ranks also get one core each (when there are
+    enough), so the OS never migrates a rank or stacks two on one core mid-step. Both sides of a
+    paired benchmark run in the same process, so under the same settings."""
+    if device.type != "cpu":
+        return
+    from meshlm.train.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()
+    if hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         if rank < len(cores) and "LOCAL_WORLD_SIZE" not in os.environ:
             os.sched_setaffinity(0, {cores[rank]})

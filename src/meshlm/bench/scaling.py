@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from meshlm.bench.dp import reference_label
-from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, pin_rank_to_core,
+from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, prepare_cpu_rank,
                                   steal_fraction)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 
@@ -122,7 +122,7 @@ def _world_rank(p: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     ctx = ParallelContext(Layout(dp=world))
     comm, device, cfg = Comm(ctx), ctx.device, p["cfg"]
-    pin_rank_to_core(rank, device)
+    prepare_cpu_rank(rank, device)
     vocab, seq, rows, bucket = cfg.model.vocab_size, p["seq"], p["rows"], p["bucket_mb"]
 
     def dp_batch(i):
@@ -215,46 +215,6 @@ def format_table(rows: list[dict]) -> str:
             f"{r['tokens_per_s_ratio']:>5.2f} | {r['predicted_tokens_per_s']:>9,.0f} {pct(r['predicted_efficiency'])} | "
             + ("oversubscribed" if r["oversubscribed"] else ""))
     return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: str, cores: int | None, title: str) -> None:
-    """Throughput and efficiency against W: meshlm solid, PyTorch dotted, the model dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(1, 2, figsize=(12, 5.4))
-    worlds = sorted({r["world_size"] for r in rows})
-    for color, engine in zip(("tab:blue", "tab:orange", "tab:green"), ENGINES):
-        mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["world_size"])
-        if not mine:
-            continue
-        w = [r["world_size"] for r in mine]
-        for ax, key in ((top, "tokens_per_s"), (bottom, "efficiency")):
-            ax.plot(w, [r[f"meshlm_{key}"] for r in mine], "o-", color=color, label=ENGINES[engine][0])
-            ax.plot(w, [r[f"reference_{key}"] for r in mine], "s:", color=color, label=ENGINES[engine][1])
-            ax.plot(w, [r[f"predicted_{key}"] for r in mine], "--", color=color, alpha=0.7,
-                    label=f"{ENGINES[engine][0]}, predicted")
-    bottom.axhline(1.0, color="grey", lw=0.8)
-    ceiling = {r["world_size"]: r["compute_only_efficiency"] for r in rows}
-    line, = bottom.plot(list(ceiling), list(ceiling.values()), "-.", color="grey",
-                        label="compute only, no communication (the machine's ceiling)")
-    bottom.legend(handles=[line], fontsize=8, loc="lower left")
-    for ax, ylabel in ((top, "tokens/s (global)"), (bottom, "scaling efficiency")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(worlds, [str(w) for w in worlds])
-        ax.set_xlabel("world size W (ranks)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if cores is not None and worlds[-1] > cores:
-            ax.axvspan(cores + 0.5, worlds[-1] * 1.2, color="red", alpha=0.08, label=f"W > {cores} cores")
-    handles, labels = top.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- command line
@@ -387,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         title = (f"meshlm bench scaling, {opts.mode} ({opts.preset}, "
                  + (f"{opts.batch} x {opts.seq} tokens per rank" if opts.mode == "weak"
                     else f"{opts.global_batch} x {opts.seq} tokens per step") + f", {cores} CPU cores)")
+        from meshlm.bench.scaling_plot import plot
+
         plot(rows, opts.plot, cores, title)
     extra = dict(bench="scaling", mode=opts.mode, preset=opts.preset, seq_len=opts.seq,
                  batch_per_rank=opts.batch if opts.mode == "weak" else None,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, pin_rank_to_core, run_and_emit
+from meshlm.bench.report import bench_row, prepare_cpu_rank, run_and_emit
 from meshlm.bench.timing import alternate, measured_peak, random_batch
 
 IGNORE_INDEX = -100
@@ -117,7 +117,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
     world = dist.get_world_size()
     ctx = ParallelContext(Layout(tp=world))
     comm = Comm(ctx)
-    pin_rank_to_core(ctx.rank, ctx.device)
+    prepare_cpu_rank(ctx.rank, ctx.device)
     mesh = init_device_mesh(ctx.device.type, (world,))
     cfg = resolve(load_config(None, [f"model.preset={a.preset}", "model.tie_embeddings=false",
                                      f"train.seq_len={a.seq_len}", f"parallel.tp={world}"]), world_size=world).model

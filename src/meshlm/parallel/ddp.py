@@ -61,7 +61,6 @@ class DDP:
         self._sync = True
         self._pending: list = []  # (handle, callback) of launched async reductions
         self._slot_of = {id(s.param): s for s in self.layout.slots}  # ZeRO-2's hook finds its slot
-        self.keep_grad_buffer = self.device.type == "cpu"  # between steps (zero_grad says why)
         self._setup_buffers()
         self.tracker = ReadyTracker([[(s.name, s.param) for s in b.slots] for b in self.layout.buckets],
                                     self._launch)
@@ -76,7 +75,7 @@ class DDP:
         return 1
 
     def _setup_buffers(self) -> None:
-        self.grad_buffer = None  # allocated by the first gradient; zero_grad says when it is freed
+        self.grad_buffer = None  # allocated by the step's first gradient, freed by zero_grad
         # fp32 runs update the parameters themselves; bf16 runs keep an fp32 master copy.
         self.master = None
         if self.precision.enabled:
@@ -85,13 +84,15 @@ class DDP:
                 self.master[s.start: s.end].copy_(s.param.detach().reshape(-1))
 
     def _grad_storage(self) -> torch.Tensor:
-        """The flat gradient buffer, allocated on the first gradient of a step (`zero_grad` says
-        when it is freed again).
+        """The flat gradient buffer, allocated on the first gradient of a step and freed by
+        `zero_grad`, which keeps it out of the forward's activation peak. (Freed and allocated
+        again every step, it costs no page faults where freed memory is reused: CUDA's caching
+        allocator, and glibc malloc tuned by train/host_memory.py, as every CPU rank is.)
 
         It is left uninitialised: each parameter's first gradient of the step is copied into its
         view (`_adopt_grad`); zeroing the whole buffer and letting autograd add into it would
-        cost a fill and a read-modify-write pass over every gradient. Zeroed at each step's start
-        (`_expect_gradients`): the slots of parameters found unused on the first step, whose
+        cost a fill and a read-modify-write pass over every gradient. Zeroed at allocation: the
+        slots of parameters found unused on the first step, whose
         bucket goes on the wire without them (under no_sync, "unused" can also mean "reduced by
         another backward": a gradient that arrives later is added). Bucket padding holds whatever
         it holds: no optimizer segment, norm or gathered value reads it."""
@@ -99,16 +100,12 @@ class DDP:
             self.grad_buffer = torch.empty(self.layout.numel, dtype=self.precision.param_dtype, device=self.device)
             # each parameter's view, made once: this runs in a hook per parameter per step
             self._grad_views = {id(s.param): self.grad_buffer[s.start: s.end].view(s.shape) for s in self.layout.slots}
-            self._expect_gradients()
+            # every slot waits for its first gradient but those of unused parameters, zeroed now
+            self._unwritten = set(self._grad_views)
+            for key in self.tracker.unused:
+                self._unwritten.discard(key)
+                self._grad_views[key].zero_()
         return self.grad_buffer
-
-    def _expect_gradients(self) -> None:
-        """A new step's gradients go into the buffer: every slot waits for its first gradient but
-        those of unused parameters, zeroed now."""
-        self._unwritten = set(self._grad_views)
-        for key in self.tracker.unused:
-            self._unwritten.discard(key)
-            self._grad_views[key].zero_()
 
     def _ensure_grads(self) -> None:
         """Every parameter's .grad is its buffer view; those no gradient reached hold zeros."""
@@ -212,17 +209,10 @@ class DDP:
                 s.param.data.copy_(self.master[s.start: s.end].view(s.shape))
 
     def zero_grad(self) -> None:
-        """Drop the gradients (set_to_none semantics for `.grad`). The buffer itself is freed on
-        CUDA, whose caching allocator hands its blocks to the next forward at no cost (so it stays
-        out of that forward's peak); it is kept on the CPU, where torch has no caching allocator:
-        freed, it comes back as fresh pages, one page fault per 4 KiB (~8 ms per 16 MiB on the VM
-        of benchmarks/RESULTS.md). torch DDP keeps its buckets for the same reason."""
+        """Free the gradients (set_to_none semantics): the next backward allocates them again."""
+        self.grad_buffer = self._grad_views = None
         for s in self.layout.slots:
             s.param.grad = None
-        if self.keep_grad_buffer and self.grad_buffer is not None:
-            self._expect_gradients()
-        else:
-            self.grad_buffer = self._grad_views = None
 
     # ------------------------------------------------------------------ inspection
 
