@@ -51,6 +51,24 @@ def poisoned_empty():
         yield
 
 
+def host_memory_tuning_recorder(monkeypatch, tmp_path: Path):
+    """Records which processes apply train/host_memory.py's malloc tuning (a benchmark's forked ranks
+    inherit the patch and append their pid to a file); returns a function giving the set of pids.
+    Benchmarks must set their CPU ranks up as `meshlm train` does, or the side that allocates more
+    per step pays page faults the other does not, and the ratio measures the allocator."""
+    from meshlm.train import host_memory
+
+    log, real = tmp_path / "host-memory-tuned.pids", host_memory.keep_freed_host_memory
+
+    def recording() -> bool:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real()
+
+    monkeypatch.setattr(host_memory, "keep_freed_host_memory", recording)
+    return lambda: set(log.read_text().split()) if log.exists() else set()
+
+
 def write_offline_corpus(root: Path) -> Path:
     """~0.5 MB of English from the standard library's documentation: no network in tests."""
     root.mkdir(parents=True, exist_ok=True)

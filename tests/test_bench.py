@@ -5,6 +5,7 @@ test_ddp.py, `bench scaling` in test_bench_scaling.py."""
 import json
 
 import pytest
+from helpers import host_memory_tuning_recorder
 
 DESIGN_FIELDS = {"name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
                  "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio"}
@@ -19,16 +20,21 @@ def check_rows(report, names):
         assert row["tokens_per_s_ratio"] == pytest.approx(row["meshlm_tokens_per_s"] / row["reference_tokens_per_s"])
 
 
-def test_bench_tp_json(capsys):
+def test_bench_tp_json(capsys, monkeypatch, tmp_path):
     from meshlm.bench.tp import main
+
+    tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
 
     assert main(["--json", "--preset", "debug", "--seq-len", "16", "--batch", "2", "--pairs", "1",
                  "--warmup", "1", "--sp", "both"]) == 0
     check_rows(json.loads(capsys.readouterr().out), ["tp2", "tp2+sp"])
+    assert len(tuned()) == 2  # both ranks allocate as `meshlm train`'s do
 
 
-def test_bench_pp_json(capsys):
+def test_bench_pp_json(capsys, monkeypatch, tmp_path):
     from meshlm.bench.pp import main
+
+    tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
 
     assert main(["--json", "--preset", "debug", "--schedule", "1f1b", "--seq-len", "16", "--batch", "4",
                  "--microbatches", "2", "--pairs", "1", "--warmup", "1"]) == 0
@@ -38,6 +44,7 @@ def test_bench_pp_json(capsys):
     q1, q3 = report["rows"][0]["tokens_per_s_ratio_quartiles"]
     assert 0 < q1 <= q3
     assert "cpu_steal_fraction" in report and "load_average" in report
+    assert len(tuned()) == 2
 
 
 def test_steal_fraction_reads_the_eighth_cpu_column():
@@ -48,8 +55,10 @@ def test_steal_fraction_reads_the_eighth_cpu_column():
 
 
 @pytest.mark.parametrize("shim", [False, True], ids=["torch-cp", "cpu-shim"])
-def test_bench_cp_json(capsys, shim):
+def test_bench_cp_json(capsys, shim, monkeypatch, tmp_path):
     from meshlm.bench.cp import LOSS_TOLERANCE, main
+
+    tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
 
     assert main(["--json", "--preset", "debug", "--seq", "64", "--steps", "1", "--warmup", "1"]
                 + (["--cpu-shim"] if shim else [])) == 0
@@ -58,6 +67,7 @@ def test_bench_cp_json(capsys, shim):
     assert row["meshlm_tokens_per_s"] > 0 and row["meshlm_peak_bytes"] > 0
     # The loss check: meshlm's first step equals the single-process loss, token by token.
     assert row["loss_check_passed"] and row["meshlm_vs_single_max_abs_diff"] <= LOSS_TOLERANCE
+    assert len(tuned()) == 2
     assert row["meshlm_loss"] == pytest.approx(row["single_process_loss"], abs=1e-5)
     if row["reference_tokens_per_s"] is None:  # torch 2.13's CP has no CPU kernel: a reason, no numbers
         assert row["device"] == "cpu" and not shim

@@ -9,6 +9,8 @@ import pytest
 from meshlm.bench import scaling
 from meshlm.bench.scaling import global_rows, oversubscribed, oversubscription_note, scaling_efficiency
 
+from helpers import host_memory_tuning_recorder
+
 DESIGN_FIELDS = {"name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
                  "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio"}
 
@@ -49,6 +51,7 @@ def test_usage_errors_exit_2_before_any_rank_starts(capsys):
 def test_bench_scaling_json_and_plot(tmp_path, capsys, monkeypatch):
     # One core claimed, so W=2 is an oversubscribed point: the flag and the note must say so.
     monkeypatch.setattr(scaling.os, "cpu_count", lambda: 1)
+    tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
     png = tmp_path / "scaling.png"
     # zero3 runs bench dp's engines exactly as ddp does (another stage), so the test leaves it out.
     assert scaling.main(["--nproc", "1,2", "--engines", "ddp,tp", "--steps", "1", "--warmup", "0", "--preset", "debug",
@@ -76,3 +79,4 @@ def test_bench_scaling_json_and_plot(tmp_path, capsys, monkeypatch):
             assert 0 <= row["reference_exposed_comm_share"] < 1
     assert any(n.startswith("W=2 > 1 CPU cores: oversubscribed") for n in report["notes"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(tuned()) >= 2  # every CPU rank, at W=1 and W=2, set up as `meshlm train`'s

@@ -18,7 +18,7 @@ from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.model.loss import token_loss_sum
 
-from helpers import debug_model, local_batch, poisoned_empty
+from helpers import debug_model, host_memory_tuning_recorder, local_batch, poisoned_empty
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
@@ -269,10 +269,12 @@ def test_bf16_parameters_fp32_reduction_and_fp32_master():
 # --------------------------------------------------------------------------- the benchmark's contract
 
 
-def test_bench_dp_json_follows_the_design_schema(capsys):
+def test_bench_dp_json_follows_the_design_schema(capsys, monkeypatch, tmp_path):
     import json
 
     from meshlm.bench.dp import main
+
+    tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
 
     assert main(["--zero", "0,3", "--steps", "1", "--warmup", "0", "--dim", "32", "--layers", "2", "--heads", "2",
                  "--ffn", "64", "--vocab", "300", "--seq", "16", "--batch", "2", "--json"]) == 0
@@ -287,6 +289,7 @@ def test_bench_dp_json_follows_the_design_schema(capsys):
         assert row["meshlm_peak_bytes"] > 0 and row["reference_peak_bytes"] > 0
         assert 0 <= row["meshlm_exposed_comm_share"] < 1
     assert [r["reference"] for r in report["rows"]] == ["torch DDP", "fully_shard"]
+    assert len(tuned()) == 2  # both ranks allocate as `meshlm train`'s do (train/host_memory.py)
     assert main(["--zero", "5"]) == 2  # bad usage: exit 2
 
 
