@@ -1,8 +1,8 @@
 """The shared-memory collectives (comm/shared_memory.py) against gloo's own: all-reduce,
 reduce-scatter and all-gather equal at every world size (integer values, so every summation order
 gives the same sum), bit-identical on every rank, across chunk and segment boundaries and uneven
-parts, in place and out; the window is used only where it may be, and nothing is left in
-/dev/shm."""
+parts, in place and out, between phases with the futex barrier and with gloo's; the window is
+used only where it may be, and nothing is left in /dev/shm."""
 
 import os
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.comm import Comm, shared_memory
+from meshlm.comm import Comm, shared_memory, shm_barrier
 from meshlm.config import load_config
 from meshlm.mesh import ParallelContext
 from meshlm.testing import run_ranks
@@ -22,14 +22,16 @@ def _integers(numel, seed, dtype=torch.float32):
     return torch.randint(-50, 50, (numel,), generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _window_rank(n):
+def _window_rank(n, futex):
     r = dist.get_rank()
     group = dist.group.WORLD
+    if not futex:  # as on a machine whose memory order the futex barrier cannot rely on
+        shm_barrier.usable = lambda: False
     window = shared_memory.SharedWindow.open(group, list(range(n)), r, slot_bytes=SLOT)
     creator = torch.tensor([os.getpid()])
     dist.broadcast(creator, src=0)  # group rank 0 named the file after itself
     leftover = [f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith(f"meshlm-{int(creator)}-")]
-    out = {"opened": window is not None, "leftover": leftover}
+    out = {"opened": window is not None, "leftover": leftover, "futex": window.barrier is not None}
     # Sizes: under one slot; 3 chunks, the last ragged, parts uneven at n = 3; bf16 (half the bytes).
     for numel, dtype in ((1000, torch.float32), (SLOT // 4 * 2 + 12347, torch.float32),
                          (SLOT // 2 * 3 + 5, torch.bfloat16)):
@@ -69,10 +71,12 @@ def _window_rank(n):
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_window_collectives_equal_gloo_and_are_identical_on_every_rank(n):
-    for out in run_ranks(_window_rank, n, n):
-        assert out.pop("opened") and out.pop("leftover") == []
+@pytest.mark.parametrize("n,futex", [(2, True), (3, True), (4, True), (3, False)],
+                         ids=["n2", "n3", "n4", "n3-gloo-barrier"])
+def test_window_collectives_equal_gloo_and_are_identical_on_every_rank(n, futex):
+    futex = futex and shm_barrier.usable()
+    for out in run_ranks(_window_rank, n, n, futex):
+        assert out.pop("opened") and out.pop("leftover") == [] and out.pop("futex") == futex
         assert all(v is True or v == (True, True) for v in out.values()), out
 
 

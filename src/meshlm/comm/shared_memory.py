@@ -8,8 +8,8 @@ whose every gloo send/recv costs ~1 ms here): 16 MiB all-reduce on 2 ranks, 8.9 
 transports).
 Costs: a window of 2 x n slots of /dev/shm per set of ranks (slots as large as the largest op
 needs, 1-16 MiB; smaller where /dev/shm is small; none, and gloo's or the rings' op, where the
-ranks are on different hosts or /dev/shm has no room), one gloo barrier (~0.2 ms) per phase, and
-no background progress: the work runs in the caller's thread when the op is waited (DDP's bucket
+ranks are on different hosts or /dev/shm has no room), one barrier per phase (~10 us on futexes,
+comm/shm_barrier.py; gloo's, ~0.3 ms, where that one cannot run), and no background progress: the work runs in the caller's thread when the op is waited (DDP's bucket
 all-reduces run in `finish_backward`, not under backward; on one core per rank there was no
 background to have).
 
@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from meshlm.comm import shm_barrier
+
 WINDOW_BYTES = 16 * 2**20  # per slot: a 25 MiB DDP bucket takes two chunks
 MIN_WINDOW_BYTES = 2**20  # below this, /dev/shm is too small to be worth it: gloo's op
 SHARED_MEMORY_MIN_BYTES = 2**20  # smaller all-reduces: gloo's op (one round trip, not two barriers)
@@ -79,7 +81,7 @@ def _shm_free_bytes() -> int:
 class SharedWindow:
     """Two windows of n slots in memory shared by the ranks of one group. `open` is collective."""
 
-    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int):
+    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int, futex: bool):
         # The mmap itself; tensors over it exist only while an op runs, so nothing that scans a
         # process's tensors (the memory tracker, the tests' live-bytes count) takes library memory
         # for model state.
@@ -87,23 +89,29 @@ class SharedWindow:
         self.group, self.n, self.me, self.slot_bytes = group, n, me, slot_bytes
         self.requested = requested  # what `open` was asked for (slot_bytes may be less: /dev/shm's room)
         self.phase = 0
+        self._header = shm_barrier.header_bytes(n)
+        # The barrier between phases: counters in the window's header (comm/shm_barrier.py), or
+        # gloo's where their ordering argument does not hold.
+        self.barrier = shm_barrier.FutexBarrier(buffer, n, me) if futex else None
 
     @classmethod
     def open(cls, group, ranks: list[int], me: int, slot_bytes: int = WINDOW_BYTES) -> "SharedWindow | None":
         """The group's window, or None (on every rank alike) where the ranks are not all on one
         host or /dev/shm has no room: the caller keeps gloo's op then."""
         n = len(ranks)
-        facts = torch.tensor([host_id(), _shm_free_bytes()], dtype=torch.int64)
+        pid_space = int.from_bytes(hashlib.sha256(shm_barrier.pid_namespace().encode()).digest()[:7], "little")
+        facts = torch.tensor([host_id(), _shm_free_bytes(), pid_space, int(shm_barrier.usable())], dtype=torch.int64)
         every = [torch.empty_like(facts) for _ in range(n)]
         dist.all_gather(every, facts, group=group)
         if len({int(t[0]) for t in every}) != 1:
             return None
+        futex = len({int(t[2]) for t in every}) == 1 and all(int(t[3]) for t in every)
         room = min(int(t[1]) for t in every) // (2 * n) // 2  # leave half of /dev/shm to others
         requested, slot_bytes = slot_bytes, min(slot_bytes, room) // 64 * 64
         if slot_bytes < MIN_WINDOW_BYTES:
             return None
         # Group rank 0 creates the file and says whether that worked, and under which name.
-        size = 2 * n * slot_bytes
+        size = shm_barrier.header_bytes(n) + 2 * n * slot_bytes
         status = torch.tensor([0, os.getpid(), random.getrandbits(62)], dtype=torch.int64)
         if me == 0:
             status[0] = int(_create(_path(status), size))
@@ -126,14 +134,20 @@ class SharedWindow:
             os.unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
         if not int(every_mapped):
             return None
-        return cls(mapped, group, n, me, slot_bytes, requested)
+        window = cls(mapped, group, n, me, slot_bytes, requested, futex)
+        dist.barrier(group=group)  # every rank's pid is in the header before anyone waits on it
+        return window
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        if self.barrier is not None:
+            self.barrier.wait()
+        else:
+            dist.barrier(group=self.group)
 
     def _slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The current phase's window as [n, numel] of `dtype`; the next phase gets the other."""
-        window = torch.frombuffer(self._buffer, dtype=torch.uint8).view(2, self.n, self.slot_bytes)[self.phase % 2]
+        window = torch.frombuffer(self._buffer, dtype=torch.uint8, offset=self._header,
+                                  count=2 * self.n * self.slot_bytes).view(2, self.n, self.slot_bytes)[self.phase % 2]
         self.phase += 1
         return window[:, : numel * dtype.itemsize].view(dtype)
 
