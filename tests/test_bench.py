@@ -117,3 +117,24 @@ def test_bench_gpu_targets_are_recorded_where_they_apply():
            "mfu": 0.47}
     assert targets_met(row) == {"tokens_per_s_ratio >= 1.0": False, "mfu >= 0.45": True}
     assert targets_met({**row, "reference": "transformers eager", "preset": "125m"}) == {}
+
+
+def test_bench_gpu_keeps_the_rows_of_the_modes_that_ran_when_one_fails(capsys, monkeypatch):
+    from meshlm.bench import gpu
+
+    real = gpu._mode_pair
+
+    def compile_fails(preset, seq, mb, mode, opts, device):
+        if mode == "compile":
+            raise RuntimeError("inductor: no C compiler\nsecond line")
+        return real(preset, seq, mb, mode, opts, device)
+
+    monkeypatch.setattr(gpu, "_mode_pair", compile_fails)
+    assert gpu.main(["--device", "cpu", "--modes", "eager,compile", "--seq", "32", "--steps", "1", "--warmup", "0",
+                     "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert [r["name"] for r in report["rows"]] == ["debug-s32-b2-eager"]
+    assert report["failed"] == ["debug seq 32 micro-batch 2 compile: RuntimeError: inductor: no C compiler"]
+    # announced as they happen: the row that landed, then the failure
+    assert "debug-s32-b2-eager: " in captured.err and "compile: RuntimeError" in captured.err

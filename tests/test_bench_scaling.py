@@ -50,7 +50,7 @@ def test_usage_errors_exit_2_before_any_rank_starts(capsys):
 
 def test_bench_scaling_json_and_plot(tmp_path, capsys, monkeypatch):
     # One core claimed, so W=2 is an oversubscribed point: the flag and the note must say so.
-    monkeypatch.setattr(scaling.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(scaling, "usable_cores", lambda: 1)
     tuned = host_memory_tuning_recorder(monkeypatch, tmp_path)
     png = tmp_path / "scaling.png"
     # zero3 runs bench dp's engines exactly as ddp does (another stage), so the test leaves it out.

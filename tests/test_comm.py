@@ -95,6 +95,59 @@ def test_recorder_is_bounded_but_the_summary_counts_everything(tmp_path):
     assert hung.t_end is None
 
 
+class _FakeClock:
+    """A GPU stream's clock for CUDA-event stand-ins: the test moves it by hand."""
+    now = 0.0
+
+
+class _FakeCudaEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = _FakeClock.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's
+        return (end.t - self.t) * 1e3
+
+
+def test_gpu_stalls_count_what_the_stream_waited_not_what_overlapped(monkeypatch):
+    """On NCCL the host does not block: the exposed communication is the time the stream stood still,
+    from the op's issue (synchronous op) or from the handle's wait (async op) to the op's end."""
+    from meshlm.comm import traced
+
+    monkeypatch.setattr(traced.torch.cuda, "Event", _FakeCudaEvent)
+    rec = FlightRecorder()
+
+    def issue(async_op):
+        record = rec.start("all_reduce", "dp", 2, torch.bfloat16, 8, 16, 16, 16, async_op=async_op)
+        record.cuda_events = (_FakeCudaEvent(), _FakeCudaEvent())
+        record.cuda_events[0].record()
+        return record
+
+    class Work:  # the wait: the stream stands still until the op's end
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def wait(self):
+            _FakeClock.now += self.seconds
+
+    _FakeClock.now = 100.0
+    handle = traced.Handle([Work(0.010)], [issue(async_op=True)], rec)
+    _FakeClock.now += 0.030  # backward ran 30 ms under the op: hidden
+    handle.wait()
+    sync = issue(async_op=False)
+    _FakeClock.now += 0.005  # a synchronous op: all of it exposed
+    sync.cuda_events[1].record()
+    rec.finish(sync)
+    assert rec.settle() == pytest.approx(rec.blocked_s + 0.015)
+    assert rec.settle() == pytest.approx(rec.blocked_s + 0.015) and rec._unresolved == []  # read once
+    assert sum(row["time_s"] for row in rec.summary()) == pytest.approx(0.045)  # the ops' own durations
+
+
 def test_groups_of_one_rank_communicate_nothing_and_record_nothing():
     comm = Comm(ParallelContext(Layout()))  # world of 1, no process group
     x = torch.arange(4.0)

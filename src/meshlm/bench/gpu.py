@@ -124,6 +124,7 @@ def _mode_pair(preset: str, seq: int, mb: int, mode: str, opts, device):
     from meshlm.config import load_config, resolve
     from meshlm.mesh import ParallelContext
 
+    _release(device)
     compiled = mode == "compile"
     overrides = [f"model.preset={preset}", f"train.seq_len={seq}", f"train.micro_batch_size={mb}",
                  f"train.global_batch_size={mb}", "train.dtype=bfloat16",
@@ -145,12 +146,35 @@ def _mode_pair(preset: str, seq: int, mb: int, mode: str, opts, device):
     return cfg, n_params, times, peaks, losses
 
 
-def _shape_rows(preset: str, seq: int, mb: int, opts, device, peak_tflops) -> list[dict]:
+def _release(device) -> None:
+    """Start a pair from a clean device: the last pair's engines freed (the DDP engine's hooks form
+    reference cycles: only the collector frees them), and dynamo's caches dropped, so a compiled
+    shape is compiled afresh for its own sizes (a second shape through the same code would otherwise
+    be recompiled with dynamic sizes)."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _shape_rows(preset: str, seq: int, mb: int, opts, device, peak_tflops, failed: list[str]) -> list[dict]:
+    """The rows of one shape, one per mode; a mode that fails (out of memory, a compiler error) is
+    appended to `failed` and the others still run. Each row is announced on stderr as it lands, so
+    a run cut short by a time limit still shows what it measured."""
     from meshlm.analysis.flops import flops_per_token, mfu
 
     rows, eager_meshlm = [], None
     for mode in opts.modes:
-        cfg, n_params, times, peaks, losses = _mode_pair(preset, seq, mb, mode, opts, device)
+        try:
+            cfg, n_params, times, peaks, losses = _mode_pair(preset, seq, mb, mode, opts, device)
+        except Exception as e:  # noqa: BLE001 - reported in the output's `failed`, never silent
+            failed.append(f"{preset} seq {seq} micro-batch {mb} {mode}: {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:300]}")
+            print(f"meshlm bench gpu: {failed[-1]}" + ("; try a smaller --micro-batch"
+                                                      if isinstance(e, torch.cuda.OutOfMemoryError) else ""),
+                  file=sys.stderr, flush=True)
+            _release(device)
+            continue
         fpt = flops_per_token(cfg.model, seq)
         tokens = mb * seq
         m_tps, r_tps = [tokens / t for t in times["meshlm"]], [tokens / t for t in times["reference"]]
@@ -169,8 +193,8 @@ def _shape_rows(preset: str, seq: int, mb: int, opts, device, peak_tflops) -> li
             row["meshlm_eager_vs_reference_ratio"] = eager_meshlm / row["reference_tokens_per_s"]
         row["targets_met"] = targets_met(row)
         rows.append(row)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        print(f"meshlm bench gpu: {row['name']}: {row['meshlm_tokens_per_s']:,.0f} vs {row['reference_tokens_per_s']:,.0f} "
+              f"tokens/s ({row['reference']}), mfu {_pct(row['mfu'])}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -240,14 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     for preset in opts.presets:
         for seq in opts.seq:
             for mb in opts.micro_batch or [MICRO_BATCH.get(preset, 4)]:
-                try:
-                    rows += _shape_rows(preset, seq, mb, opts, device, peak)
-                except torch.cuda.OutOfMemoryError as e:  # one shape too big: say so, measure the others
-                    failed.append(f"{preset} seq {seq} micro-batch {mb}: out of memory ({str(e).splitlines()[0]})")
-                    print(f"meshlm bench gpu: {failed[-1]}; try a smaller --micro-batch", file=sys.stderr)
-                if failed and device.type == "cuda":  # the failed shape's tensors died with the exception
-                    gc.collect()
-                    torch.cuda.empty_cache()
+                rows += _shape_rows(preset, seq, mb, opts, device, peak, failed)
     if not rows:
         return 1
     emit(rows, opts.json, bench="gpu", device=rows[0]["device"], peak_tflops=peak, failed=failed or None,

@@ -142,6 +142,14 @@ def steal_fraction(before: list[int] | None, after: list[int] | None) -> float |
     return delta[7] / sum(delta) if sum(delta) else 0.0
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (a container or
+    `taskset` limit, which os.cpu_count() does not see), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def prepare_cpu_rank(rank: int, device) -> None:
     """A CPU rank of a benchmark set up as `meshlm train` sets up its ranks: glibc malloc keeps
     what a step frees (train/host_memory.py; without it, a buffer freed and allocated again every

@@ -21,8 +21,8 @@ communication share (meshlm: host seconds blocked in collectives, from the fligh
 the step; torch's collectives are invisible to the host, so for DDP/fully_shard the share is
 bounded by the step minus its compute-only twin, and for DTensor it is null); the alpha-beta
 model's prediction (analysis/steptime.py, comm/cost.py's links, compute calibrated on the
-one-rank point: FLOP/s = model FLOPs per step / its time). A CPU point with W > os.cpu_count()
-is oversubscribed: ranks share cores, which the model does not know; the output says so.
+one-rank point: FLOP/s = model FLOPs per step / its time). A CPU point with W > the cores this
+process may run on (`usable_cores`) is oversubscribed: ranks share cores, which the model does not know; the output says so.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from meshlm.bench.dp import reference_label
 from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, prepare_cpu_rank,
-                                  steal_fraction)
+                                  steal_fraction, usable_cores)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 
 # engine -> (meshlm's label, the reference, the ZeRO stage of bench dp's engines; None: TP)
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshlm bench scaling: error: {e}", file=sys.stderr)
         return 2
     skips = _tp_skips(opts, base)
-    cores = os.cpu_count()
+    cores = usable_cores()
     _preload(opts.reference_model)
     before, raw = cpu_times(), {}
     for w in opts.worlds:

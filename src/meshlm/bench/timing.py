@@ -8,8 +8,9 @@ An engine is anything with `step(inputs, targets, tokens)` (forward, backward an
 on this rank's micro-batch, the summed token loss divided by the global token count `tokens`)
 and `state()` (the tensors it keeps between steps: parameters, gradients, optimizer state).
 A step's time is the slowest rank's (a step ends when its last rank does); the time a rank spent
-blocked in meshlm's collectives comes from its flight recorder (`FlightRecorder.blocked_s`:
-synchronous ops and waits on asynchronous ones), averaged over ranks. Groups of one rank (a
+blocked in meshlm's collectives comes from its flight recorder (`FlightRecorder.settle`: the host
+blocked in synchronous ops and in waits on asynchronous ones, and on GPUs the streams stalled on
+them), averaged over ranks. Groups of one rank (a
 single process, no process group) need no special case: `Comm` skips them.
 """
 
@@ -45,11 +46,11 @@ def timed_step(engine, batch, comm, device) -> tuple[float, float]:
     seconds, the mean over ranks of the seconds blocked in meshlm's collectives during it)."""
     comm.barrier()
     _sync(device)
-    blocked0 = comm.recorder.blocked_s
+    blocked0 = comm.recorder.settle()
     t0 = time.perf_counter()
     engine.step(*batch)
     _sync(device)
-    mine = torch.tensor([time.perf_counter() - t0, comm.recorder.blocked_s - blocked0], dtype=torch.float64,
+    mine = torch.tensor([time.perf_counter() - t0, comm.recorder.settle() - blocked0], dtype=torch.float64,
                         device=device)
     every = torch.empty(comm.ctx.world_size * 2, dtype=torch.float64, device=device)
     comm.all_gather(every, mine, "world")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from meshlm.comm.cost import (HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time,
                               save_profile, steps)
 from meshlm.comm.recorder import FlightRecorder
-from meshlm.comm.traced import P2P, Comm
+from meshlm.comm.traced import P2P, Comm, all_gather_single, reduce_scatter_single
 from meshlm.mesh import Layout, ParallelContext, default_backend
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -72,9 +72,9 @@ def _make_op(op: str, nbytes: int, n: int, rank: int, device: torch.device, comm
     if op == "all_reduce":
         return (lambda: dist.all_reduce(x)), numel
     if op == "all_gather":
-        return (lambda: dist.all_gather_single(y, part)), numel
+        return (lambda: all_gather_single(y, part)), numel
     if op == "reduce_scatter":
-        return (lambda: dist.reduce_scatter_single(part, x)), numel
+        return (lambda: reduce_scatter_single(part, x)), numel
     if op == "all_to_all":
         return (lambda: dist.all_to_all_single(y, x)), numel
     if op == "p2p":  # every rank sends S to the next and receives S from the previous, at once

@@ -27,7 +27,7 @@ class CommRecord:
     time.perf_counter (convert with FlightRecorder.wall_time)."""
 
     __slots__ = ("seq", "op", "axis", "group_size", "peer", "dtype", "numel", "nbytes",
-                 "bytes_sent", "bytes_recv", "async_op", "t_start", "t_end", "cuda_events")
+                 "bytes_sent", "bytes_recv", "async_op", "t_start", "t_end", "cuda_events", "wait_event")
 
     def __init__(self, seq, op, axis, group_size, peer, dtype, numel, nbytes, bytes_sent, bytes_recv, async_op):
         self.seq, self.op, self.axis, self.group_size, self.peer = seq, op, axis, group_size, peer
@@ -36,6 +36,7 @@ class CommRecord:
         self.t_start = time.perf_counter()
         self.t_end: float | None = None
         self.cuda_events = None  # (start, end) torch.cuda.Event on GPU tensors
+        self.wait_event = None  # an async GPU op's: recorded on the stream that waits, as it starts waiting
 
     @property
     def duration_s(self) -> float | None:
@@ -45,8 +46,19 @@ class CommRecord:
             return start.elapsed_time(end) / 1e3
         return None if self.t_end is None else self.t_end - self.t_start
 
+    @property
+    def stall_s(self) -> float:
+        """GPU seconds the waiting stream stood still for this op: from where it started waiting
+        (the op's issue for a synchronous op, the handle's wait for an async one) to the op's end.
+        Work the stream ran between issue and wait overlapped the op and is not counted."""
+        if self.cuda_events is None or self.t_end is None:
+            return 0.0
+        end = self.cuda_events[1]
+        end.synchronize()
+        return (self.wait_event or self.cuda_events[0]).elapsed_time(end) / 1e3
+
     def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__ if k != "cuda_events"}
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("cuda_events", "wait_event")}
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
 
@@ -61,6 +73,9 @@ class FlightRecorder:
         # Host seconds this rank spent blocked in communication (sync ops, and waits on async ones):
         # a step's time minus this is the rank's own work, which names a straggler (debug/stragglers.py).
         self.blocked_s = 0.0
+        # On GPUs the host rarely blocks (NCCL ops make the compute stream wait instead): the seconds
+        # the streams stood still for communication, from the ops' events (`settle`).
+        self.device_blocked_s = 0.0
         self.last_event = time.perf_counter()  # newest start or finish: the watchdog's sign of life
         # A running CRC of every op's (op, size, dtype), equal on ranks that do the same work: the
         # trainer compares them each step to catch a desync the backend let through (debug/fingerprint.py).
@@ -107,7 +122,16 @@ class FlightRecorder:
     def _resolve(self) -> None:
         for r in self._unresolved:
             self._add(r, r.duration_s)
+            self.device_blocked_s += r.stall_s
         self._unresolved.clear()
+
+    def settle(self) -> float:
+        """Communication this rank has waited for so far, in seconds: host time blocked in ops plus,
+        on GPUs, stream time stalled on them. Reads the GPU events of the ops finished so far, which
+        waits for the GPU to reach the newest of them: call it where the step waits for the GPU
+        anyway (the trainer, after the step's loss is on the host); every call empties the list."""
+        self._resolve()
+        return self.blocked_s + self.device_blocked_s
 
     # ---- reading
 

@@ -34,6 +34,10 @@ from meshlm.comm.recorder import CommRecord, FlightRecorder
 from meshlm.mesh import AxesLike, ParallelContext, axes_label, normalize_axes
 
 ReduceOp = dist.ReduceOp
+# torch 2.13 named the flat-tensor collectives *_single (the *_into_tensor / *_tensor names now warn);
+# GPU machines may run an older torch (the device tool's has 2.11): whichever this torch has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # A compiled block (train.compile, parallel/compile.py) calls the ops below as they are: a graph
 # break, not traced. Traced, dynamo would put the library collective into the graph as a functional
@@ -63,6 +67,11 @@ class Handle:
 
     @_eager
     def wait(self) -> None:
+        for record in self._records:
+            if record.t_end is None and record.cuda_events is not None:
+                # Where this stream starts waiting: what it ran since the issue overlapped the op.
+                record.wait_event = torch.cuda.Event(enable_timing=True)
+                record.wait_event.record()
         if self._works:
             t0 = time.perf_counter()
             for work in self._works:
@@ -201,7 +210,7 @@ class Comm:
             if not async_op:
                 work.wait()
         else:
-            work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+            work = all_gather_single(output, input, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
     @_eager
@@ -229,7 +238,7 @@ class Comm:
             if not async_op:
                 work.wait()
         else:
-            work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+            work = reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
     @_eager

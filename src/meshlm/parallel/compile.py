@@ -25,9 +25,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
 from meshlm.parallel.recompute import is_recomputed
+
+try:
+    from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+except ImportError:  # an older torch (GPU machines may lag the pinned CPU one): any mode at all
+
+    def any_torch_dispatch_mode_on_stack() -> bool:
+        return torch._C._len_torch_dispatch_stack() > 0
+
 
 # `train.compile_backend`, as torchtitan's `compile.backend`: inductor generates fused kernels
 # (C++/OpenMP on a CPU, Triton on a GPU); aot_eager traces the same graphs, forward and backward

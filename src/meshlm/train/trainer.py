@@ -183,7 +183,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
-        blocked0 = self.comm.recorder.blocked_s
+        blocked0 = self.comm.recorder.settle()
         # The step's own collectives only: evaluation gives dp ranks unequal batch counts.
         self.comm.recorder.fingerprint = 0
         self.progress.at("batch")  # counting the step's target tokens: its first collective
@@ -193,7 +193,7 @@ class Trainer:
             grad_norm, nonfinite = self.optimizer_step(loss_sum)
         self.progress.at("end of step")  # the loss and the small all-gather below
         loss = self._all_reduce(loss_sum).item() / global_tokens
-        blocked_s = self.comm.recorder.blocked_s - blocked0
+        blocked_s = self.comm.recorder.settle() - blocked0  # the loss's .item() has waited for the GPU
         peak, stop, ranks = self._gather_over_ranks(self.memory.last_peak, self.stop_signals.number
                                                     if self.stop_signals is not None else 0,
                                                     time.perf_counter() - t0 - blocked_s, blocked_s)
@@ -219,8 +219,8 @@ class Trainer:
         every = every.view(-1, 5).tolist()
         check_fingerprints([row[3] for row in every], self._same_work_ranks, self.step + 1)
         ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
-        # Host time blocked in collectives, the ranks' mean: on gloo the communication the step
-        # did not hide behind computation; on CUDA only what the host waited for (a lower bound).
+        # Communication the step did not hide behind computation, the ranks' mean: host time blocked
+        # in collectives (gloo), or the time the GPU's streams stalled on them (NCCL; recorder.settle).
         ranks["comm_exposed_s"] = sum(row[4] for row in every) / len(every)
         return (None if peak is None else int(max(row[0] for row in every))), int(max(row[1] for row in every)), ranks
 
