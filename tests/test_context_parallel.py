@@ -184,3 +184,42 @@ def test_bad_context_parallel_configs_name_the_key(world, overrides, key):
     with pytest.raises(ConfigError) as err:
         resolve(load_config(None, ["model.preset=debug", *overrides]), world_size=world)
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def _block_gradients(q, k, v, dout, causal, fused):
+    from meshlm.parallel.context import _block_backward, _block_forward
+
+    out, lse = _block_forward(q, k, v, causal, fused)
+    return (out, lse, *_block_backward(dout, q, k, v, out, lse, causal, fused))
+
+
+def test_cuda_flash_block_calls_match_the_kernels_signatures(monkeypatch):
+    """Runs anywhere: the CUDA kernel's calls on meta tensors (PyTorch's shape functions), GQA
+    included, give the shapes the ring's merge and gradient sums expect."""
+    from meshlm.parallel import context
+
+    monkeypatch.setattr(context, "_flash_kernel", lambda q, fused: "cuda")
+    q, dout = (torch.empty(2, 6, 16, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(2, 2, 16, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    out, lse, dq, dk, dv = _block_gradients(q, k, v, dout, True, True)
+    assert out.shape == q.shape and lse.shape == (2, 6, 16) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA GPU with FlashAttention-2 (sm80+)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_flash_blocks_equal_the_portable_math(causal):
+    """On a GPU: a block's output, log-sum-exp and gradients from the flash kernel against the
+    portable fp32 math, both in bf16 (so bf16's tolerance); GQA 6 query heads on 2 kv heads."""
+    from meshlm.parallel.context import _flash_kernel
+
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 6, 64, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 64, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    assert _flash_kernel(q, True) == "cuda"
+    flash = _block_gradients(q, k, v, dout, causal, True)
+    math = _block_gradients(q, k, v, dout, causal, False)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), flash, math):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())

@@ -93,12 +93,32 @@ class LoadBalancedRotary(nn.Module):
 # --------------------------------------------------------------------------- block attention
 
 
+def _flash_kernel(q: torch.Tensor, fused: bool) -> str | None:
+    """Which flash kernel runs a block: "cpu", "cuda" (FlashAttention-2 as PyTorch ships it: bf16 or
+    fp16 on sm80+, head_dim a multiple of 8 up to 256), or None for the portable math. Both kernels
+    return the log-sum-exp the merge needs and take the merged one back in their backward, which
+    public SDPA does not."""
+    if not fused:
+        return None
+    if q.device.type == "cpu":
+        return "cpu"
+    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+        return "cuda"
+    return None
+
+
 def _block_forward(q, k, v, causal: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q kᵀ/√d) v, logsumexp of each query's scores [B, H, Sq] in fp32) for one block."""
-    if fused:
-        # The CPU flash kernel returns the log-sum-exp the merge needs (public SDPA does not).
+    """(softmax(q kᵀ/√d) v, logsumexp of each query's scores [B, H, Sq] in fp32) for one block.
+    `causal` is only ever asked of a block against itself (Sq = Sk), where the CUDA kernel's
+    bottom-right and the CPU kernel's top-left alignment of the mask agree."""
+    kernel = _flash_kernel(q, fused)
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out, lse
+    if kernel == "cuda":  # kv heads expanded: not every torch's kernel takes fewer than the queries'
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, _expand(k, q), _expand(v, q), 0.0, causal, False)
+        return result[0], result[1]
     scores = _scores(q, k, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return (torch.exp(scores - lse[..., None]) @ _expand(v, q).float()).to(q.dtype), lse
@@ -108,11 +128,20 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, fused: bool):
     """dq, dk, dv of one block, given the *merged* output and log-sum-exp of these queries: with
     them, exp(scores - lse) is exactly this block's share of the full softmax, and
     rowsum(dout·out) the full softmax's correction term, so the blocks' gradients simply add."""
-    if fused:
+    kernel = _flash_kernel(q, fused)
+    if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
-    # Portable fallback (any device): the flash backward written out, in fp32.
-    # TODO(perf, issue 15): the CUDA flash/efficient kernels take lse too; use them on GPUs.
+    if kernel == "cuda":
+        # No dropout: the RNG state the forward returned is never read; no varlen: no cumulative
+        # sequence lengths. (Shapes and dtypes as the forward returns them.)
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, _expand(k, q), _expand(v, q), out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
+            seed, offset)
+        return dq, _fold(dk, k), _fold(dv, v)
+    # Portable fallback (any device, any dtype): the flash backward written out, in fp32.
     probs = torch.exp(_scores(q, k, causal) - lse[..., None])
     dout32, v32 = dout.float(), _expand(v, q).float()
     dv = probs.transpose(-1, -2) @ dout32
@@ -125,7 +154,8 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, fused: bool):
 
 def _expand(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """GQA: repeat each kv head for the query heads it serves."""
-    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+    repeats = q.shape[1] // kv.shape[1]
+    return kv if repeats == 1 else kv.repeat_interleave(repeats, dim=1)
 
 
 def _fold(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -151,8 +181,9 @@ class Ring:
 
     def __init__(self, comm: Comm, fused: bool | None = None):
         self.comm = comm
-        # fused: the CPU flash kernels; elsewhere (or fused=False, for tests) the portable math.
-        self.fused = comm.ctx.device.type == "cpu" if fused is None else fused
+        # fused: the device's flash kernel where it has one (`_flash_kernel`); fused=False (tests)
+        # or no kernel for the device and dtype: the portable math.
+        self.fused = True if fused is None else fused
         ranks = comm.ctx.ranks(CP)
         self.size, self.me = len(ranks), ranks.index(comm.rank)
         self.next, self.prev = ranks[(self.me + 1) % self.size], ranks[(self.me - 1) % self.size]

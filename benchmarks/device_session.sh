@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What a session lent the GPU machine runs there, one part per `run` call (each call may take at
+# most 10 minutes, and a session has 30 minutes of device time in all), from the repository root:
+#
+#   run: bash benchmarks/device_session.sh check     (~1 min)  the machine, versions, CUDA-only tests
+#   run: bash benchmarks/device_session.sh gpu-125m  (~4 min)  meshlm bench gpu, 125m, eager + compile
+#   run: bash benchmarks/device_session.sh gpu-1b    (~7 min)  meshlm bench gpu, 1b at seq 2048
+#   run: bash benchmarks/device_session.sh scaling   (~6 min)  meshlm bench scaling --nproc 1,2,4,8 (CPU ranks)
+#
+# Each writes its JSON (and the scaling plot) under $OUT, which comes back; bench gpu also prints
+# every row on stderr as it lands, so a call cut short still shows what it measured. The machine's
+# python3 has a CUDA torch, transformers and safetensors: run from src/, never `pip install -e .`
+# (pyproject pins the CPU torch, and the machine has no network). Record every result with its
+# device in benchmarks/RESULTS.md.
+set -u
+export PYTHONPATH=src
+OUT=${OUT:-/tmp/meshlm-device-out}
+mkdir -p "$OUT"
+meshlm() { python3 -m meshlm.cli "$@"; }
+
+case "${1:-}" in
+check)
+    nproc; lscpu -e=CPU,CORE,SOCKET | head -20; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+    df -h /dev/shm | tail -1
+    python3 - <<'EOF'
+import os, sysconfig, shutil, torch, transformers, torch.distributed as dist
+print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)
+print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+print("all_gather_single in this torch:", hasattr(dist, "all_gather_single"))
+print("C compiler for Triton:", shutil.which("cc") or shutil.which("gcc"),
+      "Python.h:", os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))
+x = torch.ones(8, device="cuda")
+print("torch.compile on CUDA works:", torch.compile(lambda t: (t * 2).sin())(x).sum().item())
+EOF
+    if python3 -c "import pytest" 2>/dev/null; then
+        # The CUDA-only tests (skipped on CPU machines), and the CPU suites that exercise GPU paths' code.
+        python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_compile.py -k "cuda or compile" 2>&1 | tail -15
+    else
+        echo "no pytest here: the CUDA-only tests did not run"
+    fi
+    ;;
+gpu-125m)
+    meshlm bench gpu --presets 125m --seq 1024 --json > "$OUT/gpu-125m.json"; echo "rc=$?"
+    cat "$OUT/gpu-125m.json" | python3 -c "import json,sys; [print(r['name'], round(r['tokens_per_s_ratio'],3), r['mfu']) for r in json.load(sys.stdin)['rows']]"
+    ;;
+gpu-1b)
+    meshlm bench gpu --presets 1b --seq 2048 --json > "$OUT/gpu-1b.json"; echo "rc=$?"
+    cat "$OUT/gpu-1b.json" | python3 -c "import json,sys; [print(r['name'], round(r['tokens_per_s_ratio'],3), r['mfu']) for r in json.load(sys.stdin)['rows']]"
+    ;;
+scaling)
+    # CPU ranks on the machine's 16 cores (one per rank, pinned): W = 1, 2, 4, 8.
+    meshlm bench scaling --nproc 1,2,4,8 --json --plot "$OUT/scaling-weak-tiny-w1-8.png" > "$OUT/scaling.json"
+    echo "rc=$?"
+    MESHLM_SHM_DISABLE=1 meshlm bench scaling --nproc 2,8 --engines ddp --steps 4 --json > "$OUT/scaling-gloo.json"
+    echo "rc=$? (gloo's collectives, with their background thread, for comparison)"
+    ;;
+*)
+    echo "usage: bash benchmarks/device_session.sh check|gpu-125m|gpu-1b|scaling" >&2
+    exit 2
+    ;;
+esac
