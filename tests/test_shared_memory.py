@@ -62,6 +62,20 @@ def _window_rank(n, futex):
         out[("rs/ag", per_rank, str(dtype))] = (
             torch.equal(got, expected) and torch.equal(in_place.view(n, -1)[r], expected),
             torch.equal(gathered, lib) and torch.equal(own, lib))
+    # Small all-reduces (one phase, up to ONE_PHASE_MAX_BYTES, and the two-phase path just past
+    # it): sum, max and min, floats and integers, against gloo's.
+    one_phase = shared_memory.ONE_PHASE_MAX_BYTES // 4
+    for numel, dtype, op in ((1, torch.float32, dist.ReduceOp.SUM), (one_phase, torch.float32, dist.ReduceOp.SUM),
+                             (one_phase + 1, torch.float32, dist.ReduceOp.MAX), (777, torch.int64, dist.ReduceOp.SUM),
+                             (333, torch.float32, dist.ReduceOp.MAX), (333, torch.bfloat16, dist.ReduceOp.MIN),
+                             (one_phase * 3, torch.int32, dist.ReduceOp.MIN)):
+        mine = _integers(numel, 31 * r + numel, dtype)
+        expected, got = mine.clone(), mine.clone()
+        dist.all_reduce(expected, op=op)
+        window.all_reduce(got, op)
+        every = [torch.empty_like(got) for _ in range(n)]
+        dist.all_gather(every, got)
+        out[("small", numel, str(dtype), str(op))] = (torch.equal(got, expected), all(torch.equal(e, got) for e in every))
     # Real-valued fp32 at n = 2: a + b is a + b, whoever adds.
     x = torch.randn(SLOT // 4 * 2 + 7, generator=torch.Generator().manual_seed(r))
     expected, got = x.clone(), x.clone()
@@ -112,7 +126,7 @@ def _comm_rank(host_differs, shm_free):
     comm.all_gather(big, torch.full((per,), float(r)), "dp")
     grown = comm._windows.get(tuple(range(n)))
     maximum = torch.full((shared_memory.SHARED_MEMORY_MIN_BYTES // 4,), float(r))
-    comm.all_reduce(maximum, "dp", op=dist.ReduceOp.MAX)  # not a sum: gloo's op
+    comm.all_reduce(maximum, "dp", op=dist.ReduceOp.MAX)
     return {"used": comm.uses_shared_memory("dp"),
             "equal": torch.equal(small, expected[0]) and torch.equal(large, expected[1]),
             "between": torch.equal(between, torch.full((3,), float(dist.get_world_size()))),
@@ -120,7 +134,8 @@ def _comm_rank(host_differs, shm_free):
             "rs/ag": all(torch.equal(o, e) for o, e in zip(rs_out, rs_expected))
             and torch.equal(gathered, torch.arange(n).float().repeat_interleave(100))
             and torch.equal(big, torch.arange(n).float().repeat_interleave(per)),
-            # a larger op opened larger slots: 2 MiB for the first, 16 for the n x 3 MiB gather
+            # a larger op opened larger slots: 1 MiB for the small all-reduce, reopened at 2 for the
+            # large one; 16 for the n x 3 MiB gather
             "slots": None if first is None else (first.requested, grown.requested)}
 
 
@@ -136,3 +151,24 @@ def test_meshlm_shm_disable_keeps_gloo(monkeypatch):
     monkeypatch.setenv("MESHLM_SHM_DISABLE", "1")
     for out in run_ranks(_comm_rank, 2, False, None):
         assert out == {"used": False, "equal": True, "between": True, "max": True, "rs/ag": True, "slots": None}
+
+
+def _late_rank(late):
+    import time
+
+    comm = Comm(ParallelContext.from_config(load_config(None, [f"parallel.dp={dist.get_world_size()}"]).parallel))
+    r = dist.get_rank()
+    out = torch.empty(4 * 1024 * dist.get_world_size())
+    comm.all_gather(out, torch.full((4 * 1024,), float(r)), "dp")  # opens the window
+    waited0 = comm.peer_wait_s()
+    if r == late:
+        time.sleep(0.2)
+    comm.all_gather(out, torch.full((4 * 1024,), float(r)), "dp")
+    return comm.peer_wait_s() - waited0
+
+
+def test_peer_wait_is_the_time_spent_waiting_for_the_last_rank():
+    """Comm.peer_wait_s: what the early ranks spend at the window's barriers while the late one is
+    still busy (bench scaling reports it as the skew part of the exposed communication)."""
+    waits = run_ranks(_late_rank, 3, 1)
+    assert waits[0] >= 0.15 and waits[2] >= 0.15 and waits[1] < 0.05, waits

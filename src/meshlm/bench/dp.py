@@ -185,7 +185,7 @@ def _bench_rank(opts) -> list[dict]:
         engines = {k: Engine(k, zero, cfg, comm, device, opts.bucket_mb, reference_model=opts.reference_model)
                    for k in ("meshlm", "reference", "compute")}
         timed = alternate(engines, lambda i: _batch(i, opts, device), comm, device, opts.warmup, opts.steps)
-        times = {k: [t for t, _ in v] for k, v in timed.items()}
+        times = {k: [t.step_s for t in v] for k, v in timed.items()}
         del engines
         peaks = {k: fresh_peak_bytes(k, zero, cfg, comm, device, opts.bucket_mb, _batch(1, opts, device),
                                      _batch(0, opts, device), opts.reference_model) for k in ("meshlm", "reference")}

@@ -138,7 +138,7 @@ def _mode_pair(preset: str, seq: int, mb: int, mode: str, opts, device):
     comm = pair["meshlm"].comm  # one rank: timing's barrier and gather are no-ops
     timed = alternate(pair, lambda i: random_batch(i, mb, seq, cfg.model.vocab_size, device), comm, device,
                       opts.warmup, opts.steps)
-    times = {k: [t for t, _ in v] for k, v in timed.items()}
+    times = {k: [t.step_s for t in v] for k, v in timed.items()}
     batch = random_batch(0, mb, seq, cfg.model.vocab_size, device)
     peaks = {k: measured_peak(e, batch, comm, device) for k, e in pair.items()}
     losses = {k: e.first_loss for k, e in pair.items()}

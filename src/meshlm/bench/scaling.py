@@ -166,18 +166,18 @@ def point_rows(world: int, raw: dict, opts, base_tokens_per_s: float, device: Ca
     """DESIGN.md bench rows for one world size from `_world_rank`'s measurements."""
     rows_ = global_rows(opts.mode, world, opts.batch, opts.global_batch)
     tokens = rows_ * opts.seq
-    compute_s = statistics.median(t for t, _ in raw["compute"])
+    compute_s = statistics.median(t.step_s for t in raw["compute"])
     out = []
     for engine in [e for e in opts.engines if e in raw]:
         r = raw[engine]
         label, reference, _ = ENGINES[engine]
         if engine != "tp":  # DTensor TP always runs meshlm's Llama (its plan names meshlm's modules)
             reference = reference_label(reference, opts.reference_model)
-        m_s, r_s = statistics.median(t for t, _ in r["meshlm"]), statistics.median(t for t, _ in r["reference"])
+        m_s, r_s = statistics.median(t.step_s for t in r["meshlm"]), statistics.median(t.step_s for t in r["reference"])
         predicted = predict(engine, opts.cfg.model, opts.seq, rows_, world, device)
         row = bench_row(
-            f"{engine}-w{world}", world, reference, [tokens / t for t, _ in r["meshlm"]],
-            [tokens / t for t, _ in r["reference"]], r["peaks"]["meshlm"], r["peaks"]["reference"],
+            f"{engine}-w{world}", world, reference, [tokens / t.step_s for t in r["meshlm"]],
+            [tokens / t.step_s for t in r["reference"]], r["peaks"]["meshlm"], r["peaks"]["reference"],
             engine=engine, meshlm=label, mode=opts.mode, preset=opts.preset, seq_len=opts.seq, global_batch=rows_,
             oversubscribed=oversubscribed(world, cores), cpu_count=cores,
             meshlm_step_s=m_s, reference_step_s=r_s, compute_only_step_s=compute_s)
@@ -185,8 +185,11 @@ def point_rows(world: int, raw: dict, opts, base_tokens_per_s: float, device: Ca
         row.update(
             meshlm_efficiency=scaling_efficiency(row["meshlm_tokens_per_s"], world, base_tokens_per_s),
             reference_efficiency=scaling_efficiency(row["reference_tokens_per_s"], world, base_tokens_per_s),
-            meshlm_exposed_comm_share=statistics.median(b / t for t, b in r["meshlm"]),
+            meshlm_exposed_comm_share=statistics.median(t.blocked_s / t.step_s for t in r["meshlm"]),
             meshlm_exposed_comm_method="flight recorder blocked_s / step",
+            # Of which at the shared-memory barriers: mostly waiting for the slowest rank (skew
+            # between ranks, which the alpha-beta prediction leaves out), not moving bytes.
+            meshlm_peer_wait_share=statistics.median(t.peer_wait_s / t.step_s for t in r["meshlm"]),
             meshlm_exposed_comm_share_by_subtraction=exposed_share(m_s, compute_s) if dp_engine else None,
             reference_exposed_comm_share=exposed_share(r_s, compute_s) if dp_engine else None,
             reference_exposed_comm_method=("(step - compute-only step) / step, an upper bound" if dp_engine
@@ -205,15 +208,15 @@ def format_table(rows: list[dict]) -> str:
     def pct(v):
         return "   n/a" if v is None else f"{100 * v:5.1f}%"
 
-    lines = [f"{'W':>2} {'engine':<6} {'meshlm tok/s':>12} {'eff':>6} {'exposed':>7} | {'reference':<27} "
-             f"{'tok/s':>9} {'eff':>6} {'exposed':>7} | {'ratio':>5} | {'predicted':>9} {'eff':>6} | note"]
+    lines = [f"{'W':>2} {'engine':<6} {'meshlm tok/s':>12} {'eff':>6} {'exposed':>7} {'(skew)':>6} | {'reference':<27} "
+             f"{'tok/s':>9} {'eff':>6} {'exposed':>7} | {'ratio':>5} | {'predicted':>9} {'eff':>6} {'exposed':>7} | note"]
     for r in rows:
         lines.append(
             f"{r['world_size']:>2} {r['engine']:<6} {r['meshlm_tokens_per_s']:>12,.0f} {pct(r['meshlm_efficiency'])} "
-            f"{pct(r['meshlm_exposed_comm_share']):>7} | {r['reference']:<27} {r['reference_tokens_per_s']:>9,.0f} "
-            f"{pct(r['reference_efficiency'])} {pct(r['reference_exposed_comm_share']):>7} | "
-            f"{r['tokens_per_s_ratio']:>5.2f} | {r['predicted_tokens_per_s']:>9,.0f} {pct(r['predicted_efficiency'])} | "
-            + ("oversubscribed" if r["oversubscribed"] else ""))
+            f"{pct(r['meshlm_exposed_comm_share']):>7} {pct(r['meshlm_peer_wait_share'])} | {r['reference']:<27} "
+            f"{r['reference_tokens_per_s']:>9,.0f} {pct(r['reference_efficiency'])} {pct(r['reference_exposed_comm_share']):>7} | "
+            f"{r['tokens_per_s_ratio']:>5.2f} | {r['predicted_tokens_per_s']:>9,.0f} {pct(r['predicted_efficiency'])} "
+            f"{pct(r['predicted_exposed_comm_share']):>7} | " + ("oversubscribed" if r["oversubscribed"] else ""))
     return "\n".join(lines)
 
 
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         raw[w] = run_ranks(_world_rank, w, params, timeout=3600)[0]
     steal = steal_fraction(before, cpu_times())
     rows1 = global_rows(opts.mode, 1, opts.batch, opts.global_batch)
-    base_tps = rows1 * opts.seq / statistics.median(t for t, _ in raw[1]["compute"])
+    base_tps = rows1 * opts.seq / statistics.median(t.step_s for t in raw[1]["compute"])
     device = CalibratedDevice(flops_per_token(opts.cfg.model, opts.seq) * base_tps, links)
     rows = [row for w in opts.worlds for row in point_rows(w, raw[w], opts, base_tps, device, cores)]
     notes = [f"one-rank point (every efficiency's denominator): the plain model + AdamW on 1 rank, {rows1} x "
@@ -335,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
              + (" (W=1 was added to --nproc for it)" if opts.added_one else ""),
              f"predicted: analysis/steptime.py, compute calibrated on the one-rank point "
              f"({device.flop_rate / 1e9:.2f} GFLOP/s of model FLOPs), links '{links.name}'",
-             "exposed communication: meshlm from its flight recorder (host time blocked in collectives / step); "
-             "torch DDP / fully_shard: (step - compute-only step) / step, an upper bound; DTensor: null"]
+             "exposed communication: meshlm from its flight recorder (time blocked in collectives / step; "
+             "(skew): the part spent at the shared-memory barriers, mostly waiting for the slowest rank, which "
+             "the prediction leaves out); torch DDP / fully_shard: (step - compute-only step) / step, an upper "
+             "bound; DTensor: null"]
     ceiling = {r["world_size"]: r["compute_only_efficiency"] for r in rows}
     notes.append("compute-only efficiency (each rank's work with no communication, the machine's own ceiling): "
                  + ", ".join(f"W={w} {100 * e:.1f}%" for w, e in ceiling.items()))

@@ -17,6 +17,7 @@ single process, no process group) need no special case: `Comm` skips them.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,24 +42,29 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(engine, batch, comm, device) -> tuple[float, float]:
-    """One step of `engine` on `batch` (from `random_batch`), after a barrier: (the slowest rank's
-    seconds, the mean over ranks of the seconds blocked in meshlm's collectives during it)."""
+class Timed(NamedTuple):
+    step_s: float  # the slowest rank's
+    blocked_s: float  # the ranks' mean time waiting on meshlm's collectives (FlightRecorder.settle)
+    peer_wait_s: float  # the part of it spent at shared-memory barriers: waiting for the last rank
+
+
+def timed_step(engine, batch, comm, device) -> Timed:
+    """One step of `engine` on `batch` (from `random_batch`), after a barrier."""
     comm.barrier()
     _sync(device)
-    blocked0 = comm.recorder.settle()
+    blocked0, waited0 = comm.recorder.settle(), comm.peer_wait_s()
     t0 = time.perf_counter()
     engine.step(*batch)
     _sync(device)
-    mine = torch.tensor([time.perf_counter() - t0, comm.recorder.settle() - blocked0], dtype=torch.float64,
-                        device=device)
-    every = torch.empty(comm.ctx.world_size * 2, dtype=torch.float64, device=device)
+    mine = torch.tensor([time.perf_counter() - t0, comm.recorder.settle() - blocked0, comm.peer_wait_s() - waited0],
+                        dtype=torch.float64, device=device)
+    every = torch.empty(comm.ctx.world_size * 3, dtype=torch.float64, device=device)
     comm.all_gather(every, mine, "world")
-    every = every.view(-1, 2)
-    return every[:, 0].max().item(), every[:, 1].mean().item()
+    every = every.view(-1, 3)
+    return Timed(every[:, 0].max().item(), every[:, 1].mean().item(), every[:, 2].mean().item())
 
 
-def alternate(engines: dict, batch_of, comm, device, warmup: int, steps: int) -> dict[str, list[tuple[float, float]]]:
+def alternate(engines: dict, batch_of, comm, device, warmup: int, steps: int) -> dict[str, list[Timed]]:
     """`warmup` + `steps` rounds, each stepping every engine once on `batch_of(round)`, the order
     reversed every other round (a slow spell of the machine hits both sides of a pair alike);
     {name: [timed_step(...) of each timed round]}."""

@@ -127,7 +127,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
         pair = {kind: TensorParallelEngine(kind, cfg, comm, mesh, ctx.device)
                 for kind in (("meshlm+sp", "dtensor+sp") if sp else ("meshlm", "dtensor"))}
         timed = alternate(pair, lambda i: batch, comm, ctx.device, a.warmup, a.pairs)
-        times = {k: [t for t, _ in v] for k, v in timed.items()}
+        times = {k: [t.step_s for t in v] for k, v in timed.items()}
         peak = {k: measured_peak(e, batch, comm, ctx.device) for k, e in pair.items()}  # warm: optimizer state exists
         mine, ref = list(pair)
         tokens_per_step = a.batch * a.seq_len

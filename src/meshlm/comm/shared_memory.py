@@ -1,6 +1,7 @@
 """Collectives through shared memory for the ranks of a gloo group that share one host: what
-`Comm` runs there for sum all-reduces from `SHARED_MEMORY_MIN_BYTES` up, and for every sum
-reduce-scatter and all-gather of contiguous floating-point tensors.
+`Comm` runs there for every sum, max and min all-reduce (from `SHARED_MEMORY_MIN_BYTES` up where
+the barrier is gloo's), and for every sum reduce-scatter and all-gather, of contiguous real-number
+tensors.
 
 Reduces: the cost of moving bytes through loopback TCP (gloo's all-reduce, and meshlm's P2P rings,
 whose every gloo send/recv costs ~1 ms here): 16 MiB all-reduce on 2 ranks, 8.9 ms with gloo,
@@ -14,7 +15,9 @@ all-reduces run in `finish_backward`, not under backward; on one core per rank t
 background to have).
 
 Each op is a sequence of phases, "write my slot, barrier, read the others' slots":
-- all-reduce, per chunk of the tensor that fits a slot (its n parts: part r is rank r's to sum):
+- all-reduce up to `ONE_PHASE_MAX_BYTES` (the loss, norms, the vocabulary-parallel softmax's
+  statistics: latency is all): every rank writes its tensor and combines all slots in rank order.
+- larger all-reduces, per chunk of the tensor that fits a slot (its n parts: part r is rank r's to sum):
   1. every rank copies the other ranks' parts of its chunk into its slot; rank r adds part r of
      every other slot to its own part, in place, in rank order;
   2. every rank copies its summed part into its slot, and the other ranks' summed parts in.
@@ -42,6 +45,7 @@ import mmap
 import os
 import random
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,7 +55,9 @@ from meshlm.comm import shm_barrier
 
 WINDOW_BYTES = 16 * 2**20  # per slot: a 25 MiB DDP bucket takes two chunks
 MIN_WINDOW_BYTES = 2**20  # below this, /dev/shm is too small to be worth it: gloo's op
-SHARED_MEMORY_MIN_BYTES = 2**20  # smaller all-reduces: gloo's op (one round trip, not two barriers)
+SHARED_MEMORY_MIN_BYTES = 2**20  # smaller all-reduces: gloo's op where the barrier is gloo's too
+ONE_PHASE_MAX_BYTES = 64 * 2**10  # all-reduces up to this size: one phase (everyone reads every slot)
+ALL_REDUCE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 SHM_DIR = "/dev/shm"
 
 
@@ -93,6 +99,9 @@ class SharedWindow:
         # The barrier between phases: counters in the window's header (comm/shm_barrier.py), or
         # gloo's where their ordering argument does not hold.
         self.barrier = shm_barrier.FutexBarrier(buffer, n, me) if futex else None
+        # Seconds in the barriers: a rank that arrives first waits there for the last one (skew
+        # between ranks, not bytes moved), which the alpha-beta model of the op does not contain.
+        self.barrier_s = 0.0
 
     @classmethod
     def open(cls, group, ranks: list[int], me: int, slot_bytes: int = WINDOW_BYTES) -> "SharedWindow | None":
@@ -139,10 +148,12 @@ class SharedWindow:
         return window
 
     def _barrier(self) -> None:
+        t0 = time.perf_counter()
         if self.barrier is not None:
             self.barrier.wait()
         else:
             dist.barrier(group=self.group)
+        self.barrier_s += time.perf_counter() - t0
 
     def _slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The current phase's window as [n, numel] of `dtype`; the next phase gets the other."""
@@ -151,9 +162,18 @@ class SharedWindow:
         self.phase += 1
         return window[:, : numel * dtype.itemsize].view(dtype)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` (contiguous) over the group, in place."""
+    @property
+    def all_reduce_min_bytes(self) -> int:
+        """Smaller all-reduces stay gloo's where the barrier is gloo's (its two phases would each pay
+        a TCP round trip: slower than gloo's one); with the futex barrier every size comes here."""
+        return 0 if self.barrier is not None else SHARED_MEMORY_MIN_BYTES
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Reduce `tensor` (contiguous) over the group, in place: a sum, max or min."""
         flat = tensor.view(-1)
+        combine = _combiner(op)
+        if flat.numel() * flat.element_size() <= ONE_PHASE_MAX_BYTES:
+            return self._all_reduce_one_phase(flat, combine)
         per_slot = self.slot_bytes // flat.element_size()
         with _disable_current_modes(), torch.no_grad():
             for c0 in range(0, flat.numel(), per_slot):
@@ -168,13 +188,25 @@ class SharedWindow:
                     slots[self.me, parts[j]].copy_(chunk[parts[j]])
                 self._barrier()
                 for j in others:
-                    mine.add_(slots[j, parts[self.me]])
+                    combine(mine, slots[j, parts[self.me]])
                 # Phase 2: my summed part out; the others' summed parts in.
                 summed = self._slots(flat.dtype, m)
                 summed[self.me, : mine.numel()].copy_(mine)
                 self._barrier()
                 for j in others:
                     chunk[parts[j]].copy_(summed[j, : parts[j].stop - parts[j].start])
+
+    def _all_reduce_one_phase(self, flat: torch.Tensor, combine) -> None:
+        """Small tensors, where latency is all: everyone's whole tensor out, one barrier, every
+        rank combines all slots in rank order (so every rank holds the same bits; at n > 2 the
+        association differs from the two-phase sum's, the order of a large tensor's parts)."""
+        with _disable_current_modes(), torch.no_grad():
+            slots = self._slots(flat.dtype, flat.numel())
+            slots[self.me].copy_(flat)
+            self._barrier()
+            flat.copy_(slots[0])
+            for j in range(1, self.n):
+                combine(flat, slots[j])
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """output = this rank's 1/n of the sum of every rank's `input` (both contiguous; output may
@@ -231,12 +263,21 @@ class Deferred:
         return self.args is None
 
 
-def applies(op, *tensors: torch.Tensor, min_bytes: int = 0) -> bool:
-    """Sums (op SUM) or gathers (op None) of contiguous floating-point CPU tensors, the first of
-    `min_bytes` or more."""
-    return (op in (None, dist.ReduceOp.SUM) and all(t.device.type == "cpu" and t.is_floating_point() and t.is_contiguous()
-                                            and t.numel() > 0 for t in tensors)
-            and tensors[0].numel() * tensors[0].element_size() >= min_bytes)
+def _combiner(op):
+    """acc <- op(acc, other), in place, for the all-reduce's ops."""
+    if op == dist.ReduceOp.SUM:
+        return torch.Tensor.add_
+    if op == dist.ReduceOp.MAX:
+        return lambda acc, other: torch.maximum(acc, other, out=acc)
+    if op == dist.ReduceOp.MIN:
+        return lambda acc, other: torch.minimum(acc, other, out=acc)
+    raise ValueError(f"shared-memory all-reduce: no {op}")
+
+
+def applies(op, *tensors: torch.Tensor, ops=(None, dist.ReduceOp.SUM)) -> bool:
+    """Ops in `ops` (None: a gather) of contiguous, non-empty, real-number CPU tensors."""
+    return op in ops and all(t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0 and not t.is_complex()
+                             and t.dtype != torch.bool for t in tensors)
 
 
 def on_one_host(world_size: int) -> bool:

@@ -118,6 +118,7 @@ class Comm:
         # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE): group ranks -> their window, or None for gloo's op.
         self._windows: dict[tuple[int, ...], shared_memory.SharedWindow | None] = {}
         self._shared_memory = self._gloo and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0")
+        self._replaced_windows_wait_s = 0.0  # barrier seconds of windows since reopened larger
 
     # ---- plumbing
 
@@ -162,20 +163,20 @@ class Comm:
             tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
-        window = self._window(group, ranks, me, op, tensor, min_bytes=shared_memory.SHARED_MEMORY_MIN_BYTES)
-        if window is not None:
-            work = shared_memory.Deferred(window.all_reduce, tensor)
+        window = self._window(group, ranks, me, op, tensor, ops=shared_memory.ALL_REDUCE_OPS)
+        if window is not None and _bytes(tensor) >= window.all_reduce_min_bytes:
+            work = shared_memory.Deferred(window.all_reduce, tensor, op)
             if not async_op:
                 work.wait()
         else:
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._end(record, work, async_op)
 
-    def _window(self, group, ranks, me, op, *tensors, min_bytes=0) -> shared_memory.SharedWindow | None:
+    def _window(self, group, ranks, me, op, *tensors, ops=(None, ReduceOp.SUM)) -> shared_memory.SharedWindow | None:
         """The shared-memory window of these ranks if the op may take it. Opened (collectively)
         by their first op that may, with slots as large as that op needs (1-16 MiB), and opened
         again, larger, by a later op that needs more: every rank decides alike, from sizes."""
-        if not (self._shared_memory and shared_memory.applies(op, *tensors, min_bytes=min_bytes)):
+        if not (self._shared_memory and shared_memory.applies(op, *tensors, ops=ops)):
             return None
         key = tuple(ranks)  # "world" and "dp" of a pure data-parallel run share one window
         window = self._windows.get(key, False)
@@ -183,7 +184,10 @@ class Comm:
         if window is False:
             window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted)
         elif window is not None and window.requested < wanted:
-            window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted) or window
+            larger = shared_memory.SharedWindow.open(group, ranks, me, wanted)
+            if larger is not None:
+                self._replaced_windows_wait_s += window.barrier_s
+                window = self._windows[key] = larger
         return window
 
     @_eager
@@ -330,6 +334,12 @@ class Comm:
         return Handle(dist.batch_isend_irecv(p2p), records, self.recorder)
 
     # ---- reading
+
+    def peer_wait_s(self) -> float:
+        """Seconds this rank has spent so far at the shared-memory collectives' barriers: mostly
+        waiting for the last rank of the group to arrive (their skew), part of the time blocked
+        that the flight recorder counts. 0 where no window is used (gloo's own ops, NCCL)."""
+        return self._replaced_windows_wait_s + sum(w.barrier_s for w in self._windows.values() if w)
 
     def uses_shared_memory(self, axis: AxesLike) -> bool:
         """Whether the group's collectives have gone through shared memory (comm/shared_memory.py)."""
