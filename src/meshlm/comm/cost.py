@@ -209,9 +209,9 @@ _LOOPBACK_OPS = {
 }
 # `meshlm bench comm --transport meshlm --min-bytes 64K` on the same VM: what meshlm's Comm runs for
 # ranks on one host (comm/shared_memory.py, its phases separated by comm/shm_barrier.py's futex
-# barrier; all-reduces under 1 MiB stay gloo's), the median of three fits per parameter, rounded.
+# barrier; every all-reduce size), the median of three fits per parameter, rounded.
 _SHM_OPS = {
-    "all_reduce": Link(alpha_s=130e-6, bandwidth_Bps=6.4e9),
+    "all_reduce": Link(alpha_s=66e-6, bandwidth_Bps=5.0e9),
     "all_gather": Link(alpha_s=105e-6, bandwidth_Bps=3.6e9),
     "reduce_scatter": Link(alpha_s=120e-6, bandwidth_Bps=3.6e9),
     "all_to_all": _LOOPBACK_OPS["all_to_all"],  # gloo's own
