@@ -87,18 +87,22 @@ class FutexBarrier:
         self.count += 1
         target = self.count
         self._counters[self.me].value = target
-        self._syscall(SYS_FUTEX, ctypes.c_void_p(self._addresses[self.me]), FUTEX_WAKE, WAKE_ALL, None, None, 0)
+        self._futex(self._addresses[self.me], FUTEX_WAKE, WAKE_ALL, None)
         for j in range(self.n):
             if j == self.me:
                 continue
             waited = 0
             while (seen := self._counters[j].value) < target:
                 # Sleeps only while the word still holds `seen`'s low 32 bits (a futex word is 32).
-                rc = self._syscall(SYS_FUTEX, ctypes.c_void_p(self._addresses[j]), FUTEX_WAIT,
-                                   ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(self._timeout), None, 0)
+                rc = self._futex(self._addresses[j], FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(self._timeout))
                 if rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT:  # a second without it
                     waited += LIVENESS_EVERY_S
                     self._check_alive(j, waited)
+
+    def _futex(self, address: int, op: int, value: int, timeout) -> int:
+        # syscall(2) is variadic: every argument passed at its full register width.
+        return self._syscall(ctypes.c_long(SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_long(op),
+                             ctypes.c_long(value), timeout, None, ctypes.c_long(0))
 
     def _check_alive(self, j: int, waited: float) -> None:
         pid = self._pids[j]
