@@ -138,3 +138,17 @@ def test_bench_gpu_keeps_the_rows_of_the_modes_that_ran_when_one_fails(capsys, m
     assert report["failed"] == ["debug seq 32 micro-batch 2 compile: RuntimeError: inductor: no C compiler"]
     # announced as they happen: the row that landed, then the failure
     assert "debug-s32-b2-eager: " in captured.err and "compile: RuntimeError" in captured.err
+
+
+def test_bench_gpu_refuses_a_transformers_whose_loss_would_shift_twice(capsys, monkeypatch):
+    import transformers.loss.loss_utils as loss_utils
+
+    from meshlm.bench import gpu
+
+    def old_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        raise AssertionError("not to be called")
+
+    monkeypatch.setattr(loss_utils, "ForCausalLMLoss", old_loss)
+    assert gpu.main(["--device", "cpu", "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "takes no shift_labels" in err

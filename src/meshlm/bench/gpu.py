@@ -37,8 +37,9 @@ TARGET_MFU = {("1b", 2048): 0.45}
 CPU_SMOKE = dict(presets="debug", seq="64", micro_batch="2", steps=2, warmup=1)
 GPU_DEFAULTS = dict(presets="125m,1b", seq="2048", micro_batch=None, steps=10, warmup=3)
 # Without --micro-batch: what fits both models side by side on an 80 GB GPU at seq 2048 (the 1b
-# pair holds ~40 GB of weights, gradients and AdamW state before activations); --micro-batch 4 is
-# the issue's 1b shape where one side at a time fits.
+# pair holds ~40 GB of weights, gradients and AdamW state before activations). The issue's 1b shape,
+# micro-batch 4, keeps both resident too and may not fit beside the reference's activations: a
+# mode that runs out of memory is reported in `failed` and the others still run.
 MICRO_BATCH = {"125m": 8, "1b": 2}
 
 
@@ -106,6 +107,21 @@ class TransformersEngine:
 
     def state(self):
         return [*self.model.parameters(), *(v for s in self.optimizer.state.values() for v in s.values())]
+
+
+def transformers_loss_problem() -> str | None:
+    """Why the reference's loss call would be wrong here, or None. It passes the targets, already
+    shifted, as `shift_labels`; a transformers whose loss lacks that argument swallows it in
+    **kwargs and shifts the labels again: no error, a model trained on the wrong tokens."""
+    import inspect
+
+    import transformers
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if "shift_labels" not in inspect.signature(ForCausalLMLoss).parameters:
+        return (f"transformers {transformers.__version__}: its causal-LM loss takes no shift_labels "
+                "(the reference would train on shifted-twice targets); upgrade transformers")
+    return None
 
 
 def targets_met(row: dict) -> dict[str, bool]:
@@ -259,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             except ConfigError as e:
                 print(f"meshlm bench gpu: error: {e}", file=sys.stderr)
                 return 2
+    problem = transformers_loss_problem()
+    if problem:
+        print(f"meshlm bench gpu: error: {problem}", file=sys.stderr)
+        return 2
     peak = opts.peak_tflops or device_peak_tflops(device, "bfloat16")
     rows, failed = [], []
     for preset in opts.presets:
