@@ -342,6 +342,24 @@ def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):
     assert "busbw(GB/s)" in table and "model measured-gloo-2" in table
 
 
+def _overhead_rank():
+    from meshlm.comm import shared_memory
+    from meshlm.comm.bench import _tracing_overhead
+
+    opened = []
+    real_open = shared_memory.SharedWindow.open
+    shared_memory.SharedWindow.open = classmethod(lambda cls, *a, **k: opened.append(a) or real_open(*a, **k))
+    ctx = ParallelContext(Layout(dp=dist.get_world_size()))
+    return _tracing_overhead(ctx, iters=40), len(opened)
+
+
+def test_tracing_overhead_is_measured_around_the_library_op():
+    """The bookkeeping loop replaces the library's all_reduce with a no-op: it must be the op the
+    traced Comm calls there (no shared-memory window), or the loop times real communication."""
+    for overhead, windows_opened in run_ranks(_overhead_rank, 2):
+        assert windows_opened == 0 and overhead["bookkeeping_s"] > 0
+
+
 def test_bench_transport_meshlm_times_comm_and_names_its_profile(tmp_path, capsys):
     import json
 

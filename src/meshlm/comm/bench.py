@@ -110,7 +110,8 @@ def _tracing_overhead(ctx: ParallelContext, iters: int = 400) -> dict:
     communication, so it is exact) and traced minus raw for a 4-byte all_reduce (which includes
     the machine's noise). Interleaved blocks, so both see the same machine state."""
     x = torch.zeros(1, device=ctx.device)
-    traced_comm = Comm(ctx, FlightRecorder(ctx.rank, capacity=64))
+    # Tracing around the library's op, as the raw loop below calls it (not meshlm's shared memory).
+    traced_comm = Comm(ctx, FlightRecorder(ctx.rank, capacity=64), shared_memory_ok=False)
     # The traced path with the library call replaced by a no-op, in this rank process only and only
     # for this loop: exactly the work tracing adds, with no communication noise in it.
     with mock.patch.object(dist, "all_reduce", lambda *args, **kwargs: None):

@@ -107,7 +107,8 @@ def _copy_if_distinct(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class Comm:
-    def __init__(self, ctx: ParallelContext, recorder: FlightRecorder | None = None, *, capacity: int = 4096):
+    def __init__(self, ctx: ParallelContext, recorder: FlightRecorder | None = None, *, capacity: int = 4096,
+                 shared_memory_ok: bool = True):
         self.ctx = ctx
         self.rank = ctx.rank
         self.recorder = recorder if recorder is not None else FlightRecorder(ctx.rank, capacity)
@@ -115,9 +116,12 @@ class Comm:
         self.desync_next = False  # debug.fault=desync: the next all-reduce reads its bytes as another dtype
         self._gloo = dist.is_initialized() and dist.get_backend() == "gloo"
         # Groups on one host all-reduce through shared memory (comm/shared_memory.py), unless
-        # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE): group ranks -> their window, or None for gloo's op.
+        # MESHLM_SHM_DISABLE=1 (as NCCL_SHM_DISABLE) or shared_memory_ok=False (the library's ops
+        # only: `meshlm bench comm` times tracing against them): group ranks -> their window, or
+        # None for gloo's op.
         self._windows: dict[tuple[int, ...], shared_memory.SharedWindow | None] = {}
-        self._shared_memory = self._gloo and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0")
+        self._shared_memory = (shared_memory_ok and self._gloo
+                               and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0"))
         self._replaced_windows_wait_s = 0.0  # barrier seconds of windows since reopened larger
 
     # ---- plumbing
