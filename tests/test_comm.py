@@ -143,9 +143,13 @@ def test_gpu_stalls_count_what_the_stream_waited_not_what_overlapped(monkeypatch
     _FakeClock.now += 0.005  # a synchronous op: all of it exposed
     sync.cuda_events[1].record()
     rec.finish(sync)
-    assert rec.settle() == pytest.approx(rec.blocked_s + 0.015)
-    assert rec.settle() == pytest.approx(rec.blocked_s + 0.015) and rec._unresolved == []  # read once
-    assert sum(row["time_s"] for row in rec.summary()) == pytest.approx(0.045)  # the ops' own durations
+    # One handle for a send and a receive (ring attention's hop): one stall of 2 ms, not two.
+    pair = traced.Handle([Work(0.001), Work(0.001)], [issue(async_op=True), issue(async_op=True)], rec)
+    pair.wait()
+    assert rec.blocked_s == 0  # on GPUs the host's waits are inside the stalls
+    assert rec.settle() == pytest.approx(0.017)
+    assert rec.settle() == pytest.approx(0.017) and rec._unresolved == []  # read once
+    assert sum(row["time_s"] for row in rec.summary()) == pytest.approx(0.045 + 2 * 0.002)  # the ops' durations
 
 
 def test_groups_of_one_rank_communicate_nothing_and_record_nothing():

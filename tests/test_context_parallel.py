@@ -218,8 +218,18 @@ def test_cuda_flash_blocks_equal_the_portable_math(causal):
     q, dout = (torch.randn(2, 6, 64, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 2, 64, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     assert _flash_kernel(q, True) == "cuda"
+    math_log2 = 0.6931471805599453
     flash = _block_gradients(q, k, v, dout, causal, True)
     math = _block_gradients(q, k, v, dout, causal, False)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), flash, math):
         assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
+    # The ring hands each block's backward the *merged* output and log-sum-exp, not the block's
+    # own: as if another block had held half the softmax mass (lse + log 2, the output halved).
+    from meshlm.parallel.context import _block_backward
+
+    out, lse = flash[0], flash[1]
+    merged = [(out * 0.5).to(out.dtype), lse + math_log2]
+    for name, a, b in zip(("dq", "dk", "dv"), _block_backward(dout, q, k, v, *merged, causal, True),
+                          _block_backward(dout, q, k, v, *merged, causal, False)):
         assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())

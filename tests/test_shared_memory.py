@@ -153,22 +153,53 @@ def test_meshlm_shm_disable_keeps_gloo(monkeypatch):
         assert out == {"used": False, "equal": True, "between": True, "max": True, "rs/ag": True, "slots": None}
 
 
-def _late_rank(late):
+def _late_rank(late, queued_on_a_replaced_window):
     import time
 
     comm = Comm(ParallelContext.from_config(load_config(None, [f"parallel.dp={dist.get_world_size()}"]).parallel))
-    r = dist.get_rank()
-    out = torch.empty(4 * 1024 * dist.get_world_size())
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = torch.empty(4 * 1024 * n)
     comm.all_gather(out, torch.full((4 * 1024,), float(r)), "dp")  # opens the window
     waited0 = comm.peer_wait_s()
+    handle = comm.all_gather(out, torch.full((4 * 1024,), float(r)), "dp", async_op=True)  # runs when waited
+    if queued_on_a_replaced_window:  # a larger op reopens the window before the queued one runs
+        per = (3 << 20) // 4
+        comm.all_gather(torch.empty(n * per), torch.full((per,), float(r)), "dp")
     if r == late:
-        time.sleep(0.2)
-    comm.all_gather(out, torch.full((4 * 1024,), float(r)), "dp")
+        time.sleep(0.5)
+    handle.wait()
     return comm.peer_wait_s() - waited0
 
 
-def test_peer_wait_is_the_time_spent_waiting_for_the_last_rank():
+@pytest.mark.parametrize("queued", [False, True], ids=["one-window", "window-replaced"])
+def test_peer_wait_is_the_time_spent_waiting_for_the_last_rank(queued):
     """Comm.peer_wait_s: what the early ranks spend at the window's barriers while the late one is
-    still busy (bench scaling reports it as the skew part of the exposed communication)."""
-    waits = run_ranks(_late_rank, 3, 1)
-    assert waits[0] >= 0.15 and waits[2] >= 0.15 and waits[1] < 0.05, waits
+    still busy (bench scaling reports it as the skew part of the exposed communication), also for
+    an op that was queued on a window since reopened larger (DDP's async buckets)."""
+    waits = run_ranks(_late_rank, 3, 1, queued)
+    assert waits[0] >= 0.35 and waits[2] >= 0.35 and waits[1] < 0.2, waits
+
+
+def _gloo_barrier_rank():
+    shm_barrier.usable = lambda: False  # as on a machine the futex barrier does not run on
+    comm = Comm(ParallelContext.from_config(load_config(None, [f"parallel.dp={dist.get_world_size()}"]).parallel))
+    r = dist.get_rank()
+    small = _integers(1000, r)
+    expected = small.clone()
+    dist.all_reduce(expected)
+    comm.all_reduce(small, "dp")
+    opened_by_small = dict(comm._windows)
+    large = _integers(shared_memory.SHARED_MEMORY_MIN_BYTES // 4, r)
+    expected_large = large.clone()
+    dist.all_reduce(expected_large)
+    comm.all_reduce(large, "dp")
+    window = comm._windows.get(tuple(range(dist.get_world_size())))
+    return (opened_by_small, torch.equal(small, expected), torch.equal(large, expected_large),
+            window is not None and window.barrier is None)
+
+
+def test_without_the_futex_barrier_small_all_reduces_stay_gloo_and_open_no_window():
+    """Two phases of gloo barriers would be slower than gloo's own small all-reduce: from 1 MiB up
+    the window (with gloo's barrier) takes them, below that nothing is opened for them."""
+    for out in run_ranks(_gloo_barrier_rank, 3):
+        assert out == ({}, True, True, True)

@@ -3,7 +3,10 @@ barrier k before everyone has arrived at it, over many rounds with shuffled arri
 two parties; a peer that died makes the waiter raise instead of hanging. (Its use by the
 collectives is tested with them, in test_shared_memory.py.)"""
 
+import ctypes
+import errno
 import mmap
+import os
 import random
 import re
 import subprocess
@@ -75,3 +78,71 @@ def test_a_dead_peer_makes_the_waiter_raise_instead_of_hang(reaped):
     assert not waiter.is_alive(), "the barrier kept waiting for a dead peer"
     assert len(raised) == 1 and re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) is gone; .*", raised[0])
     gone.wait()
+
+
+def _counting_timeouts(barrier):
+    """Wrap a barrier's futex call to count the waits that ran out their second: with peers never
+    more than a few ms late, each one is a wake-up that was lost."""
+    counted = {"timeouts": 0}
+    real = barrier._futex
+
+    def futex(address, op, value, timeout):
+        rc = real(address, op, value, timeout)
+        if rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT:
+            counted["timeouts"] += 1
+        return rc
+
+    barrier._futex = futex
+    return counted
+
+
+def test_two_processes_pass_every_barrier_together_and_no_wake_up_is_lost():
+    """As the collectives use it: two processes over a shared mapping (so the futex must be the
+    shared kind, not the private one threads could get away with)."""
+    header, rounds = shm_barrier.header_bytes(2), 300
+    buffer = mmap.mmap(-1, header + 64)  # anonymous and MAP_SHARED: the child sees the same pages
+    arrived = (ctypes.c_int64 * 2).from_buffer(buffer, header)
+
+    def party(me):
+        barrier = shm_barrier.FutexBarrier(buffer, 2, me)
+        counted, early, rng = _counting_timeouts(barrier), 0, random.Random(me)
+        for k in range(1, rounds + 1):
+            if rng.random() < 0.2:
+                time.sleep(rng.random() * 2e-3)
+            arrived[me] = k
+            barrier.wait()
+            early += arrived[1 - me] < k
+        return early, counted["timeouts"]
+
+    child = os.fork()
+    if child == 0:
+        try:
+            early, timeouts = party(1)
+            os._exit(0 if (early, timeouts) == (0, 0) else 1)
+        finally:
+            os._exit(2)
+    mine = party(0)
+    _, status = os.waitpid(child, 0)
+    del arrived
+    assert mine == (0, 0) and os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_peer_alive_but_absent_past_the_limit_raises(monkeypatch):
+    monkeypatch.setattr(shm_barrier, "GIVE_UP_S", 1.5)
+    _, (mine, _peer) = _barriers(2)
+    mine._pids[1] = os.getpid()  # alive (it is us), and never arrives
+    raised, t0 = [], time.perf_counter()
+
+    def wait():
+        try:
+            mine.wait()
+        except TimeoutError as e:
+            raised.append((str(e), time.perf_counter() - t0))
+
+    waiter = threading.Thread(target=wait, daemon=True)  # a barrier that never gives up fails, not hangs
+    waiter.start()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive(), "the barrier kept waiting past its limit"
+    (message, seconds), = raised
+    assert re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) has not arrived in \d+ s", message)
+    assert 1.5 <= seconds < 4

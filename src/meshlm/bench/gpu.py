@@ -116,9 +116,12 @@ def transformers_loss_problem() -> str | None:
     import inspect
 
     import transformers
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
-    if "shift_labels" not in inspect.signature(ForCausalLMLoss).parameters:
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # older than the loss module itself
+        ForCausalLMLoss = None
+    if ForCausalLMLoss is None or "shift_labels" not in inspect.signature(ForCausalLMLoss).parameters:
         return (f"transformers {transformers.__version__}: its causal-LM loss takes no shift_labels "
                 "(the reference would train on shifted-twice targets); upgrade transformers")
     return None

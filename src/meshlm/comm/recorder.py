@@ -102,7 +102,7 @@ class FlightRecorder:
         if record.t_end is not None:  # waiting twice on a handle is allowed; count it once
             return
         record.t_end = self.last_event = time.perf_counter()
-        if not record.async_op:
+        if not record.async_op and record.cuda_events is None:  # a GPU op's wait is in its stall_s
             self.blocked_s += record.t_end - record.t_start
         if record.cuda_events is not None:
             self._unresolved.append(record)  # reading a CUDA event now would synchronise the GPU

@@ -212,7 +212,8 @@ class SharedWindow:
         """output = this rank's 1/n of the sum of every rank's `input` (both contiguous; output may
         be this rank's own chunk of input, ZeRO's in-place form). One phase per segment: the other
         ranks' chunks' segment out, then my chunk's segment summed from every slot, in rank order
-        after my own (the order `all_reduce` sums a part in, so the two agree bit for bit)."""
+        after my own (the order the two-phase `all_reduce` sums a part in, so the two agree bit for
+        bit; a one-phase all-reduce, up to ONE_PHASE_MAX_BYTES, agrees only at n = 2)."""
         out = output.view(-1)
         chunks = input.view(self.n, -1)
         per_slot = self.slot_bytes // out.element_size() // self.n

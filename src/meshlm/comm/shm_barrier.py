@@ -22,9 +22,10 @@ every other core (TSO) and an aligned 8-byte store is one instruction, so a read
 new count sees the slot bytes stored before it. Other architectures need a fence that Python
 cannot issue, so there `usable()` is False and the windows keep gloo's barrier.
 
-A peer that died never arrives: the waiter wakes once a second to check that every late peer's
+A peer that died never arrives: the waiter wakes once a second to check that the late peer's
 process still runs (pids are in the header; the window asks all ranks to share a pid namespace)
-and raises, as gloo's barrier would on the closed connection.
+and raises, as gloo's barrier would on the closed connection; a peer alive but absent for gloo's
+default timeout (30 min) raises too.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ import errno
 import os
 import platform
 import sys
+import time
+
+import torch.distributed as dist
 
 LINE = 64  # bytes per counter: one cache line, so a rank's store never invalidates another's line
 LIVENESS_EVERY_S = 1
+# A peer alive but stuck (a deadlock elsewhere) raises after gloo's default timeout, as gloo's
+# barrier did; `meshlm train`'s watchdog (debug/watchdog.py) speaks long before, with dumps.
+GIVE_UP_S = dist.default_pg_timeout.total_seconds()
 SYS_FUTEX = 202  # x86-64's syscall number (`usable()` admits no other architecture)
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # the shared (not _PRIVATE) forms: the word lives in a shared mapping
 WAKE_ALL = 2**31 - 1
@@ -53,8 +60,9 @@ def header_bytes(n: int) -> int:
 
 
 def usable() -> bool:
-    """Whether the ordering argument (module docstring) holds and the futex is there."""
-    return sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
+    """Whether the ordering argument (module docstring) holds, the futex is there, and peers' pids
+    can be checked (/proc readable)."""
+    return sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64") and pid_namespace() != ""
 
 
 def pid_namespace() -> str:
@@ -88,16 +96,22 @@ class FutexBarrier:
         target = self.count
         self._counters[self.me].value = target
         self._futex(self._addresses[self.me], FUTEX_WAKE, WAKE_ALL, None)
+        start = next_check = None
         for j in range(self.n):
             if j == self.me:
                 continue
-            waited = 0
             while (seen := self._counters[j].value) < target:
-                # Sleeps only while the word still holds `seen`'s low 32 bits (a futex word is 32).
+                if start is None:
+                    start = time.monotonic()
+                    next_check = start + LIVENESS_EVERY_S
+                # Sleeps only while the word still holds `seen`'s low 32 bits (a futex word is 32),
+                # for at most a second, then looks at the clock and, once a second, at the peer.
                 rc = self._futex(self._addresses[j], FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(self._timeout))
-                if rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT:  # a second without it
-                    waited += LIVENESS_EVERY_S
-                    self._check_alive(j, waited)
+                if rc != 0 and (err := ctypes.get_errno()) not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):
+                    raise OSError(err, f"shared-memory barrier: futex wait failed: {os.strerror(err)}")
+                if (now := time.monotonic()) >= next_check:
+                    next_check = now + LIVENESS_EVERY_S
+                    self._check_alive(j, now - start)
 
     def _futex(self, address: int, op: int, value: int, timeout) -> int:
         # syscall(2) is variadic: every argument passed at its full register width.
@@ -109,6 +123,9 @@ class FutexBarrier:
         if not _running(pid):
             raise RuntimeError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) is gone; "
                                f"this rank waited {waited:.0f} s for it")
+        if waited > GIVE_UP_S:  # alive but stuck: what gloo's barrier would do at its timeout
+            raise TimeoutError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) has not arrived "
+                               f"in {waited:.0f} s")
 
 
 def _running(pid: int) -> bool:

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from meshlm.comm import shared_memory
+from meshlm.comm import shared_memory, shm_barrier
 from meshlm.comm.cost import rank_traffic
 from meshlm.comm.gloo_rings import DirectAllGather, RingReduceScatter, ring_applies
 from meshlm.comm.recorder import CommRecord, FlightRecorder
@@ -67,21 +67,24 @@ class Handle:
 
     @_eager
     def wait(self) -> None:
-        for record in self._records:
-            if record.t_end is None and record.cuda_events is not None:
-                # Where this stream starts waiting: what it ran since the issue overlapped the op.
-                record.wait_event = torch.cuda.Event(enable_timing=True)
-                record.wait_event.record()
+        on_gpu = [r for r in self._records if r.t_end is None and r.cuda_events is not None]
+        if on_gpu:
+            # Where this stream starts waiting: what it ran since the issue overlapped the ops.
+            on_gpu[0].wait_event = torch.cuda.Event(enable_timing=True)
+            on_gpu[0].wait_event.record()
         if self._works:
             t0 = time.perf_counter()
             for work in self._works:
                 work.wait()
             self._works = []
-            self._recorder.blocked_s += time.perf_counter() - t0
+            if not on_gpu:  # on GPUs the host's wait is inside the stream's stall, counted from the events
+                self._recorder.blocked_s += time.perf_counter() - t0
         for record in self._records:
             if record.t_end is None and record.cuda_events is not None:
                 record.cuda_events[1].record()
             self._recorder.finish(record)
+        for record in on_gpu[1:]:  # one stall for the handle: the first op carries it, the rest none
+            record.wait_event = record.cuda_events[1]
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
@@ -122,7 +125,8 @@ class Comm:
         self._windows: dict[tuple[int, ...], shared_memory.SharedWindow | None] = {}
         self._shared_memory = (shared_memory_ok and self._gloo
                                and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0"))
-        self._replaced_windows_wait_s = 0.0  # barrier seconds of windows since reopened larger
+        self._futex_barrier = shm_barrier.usable()
+        self._replaced_windows: list[shared_memory.SharedWindow] = []  # reopened larger; ops queued may still run there
 
     # ---- plumbing
 
@@ -167,7 +171,10 @@ class Comm:
             tensor = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(tensor.element_size(), torch.int64))
         traffic = rank_traffic("all_reduce", n, me, tensor.numel(), tensor.element_size())
         record = self._begin("all_reduce", label, n, tensor, tensor.numel(), _bytes(tensor), traffic, async_op=async_op)
-        window = self._window(group, ranks, me, op, tensor, ops=shared_memory.ALL_REDUCE_OPS)
+        # Small all-reduces take the window only where its barrier is the futex one (decided alike
+        # on every rank: one host, one architecture); the window's own check covers the rest.
+        small = _bytes(tensor) < shared_memory.SHARED_MEMORY_MIN_BYTES and not self._futex_barrier
+        window = None if small else self._window(group, ranks, me, op, tensor, ops=shared_memory.ALL_REDUCE_OPS)
         if window is not None and _bytes(tensor) >= window.all_reduce_min_bytes:
             work = shared_memory.Deferred(window.all_reduce, tensor, op)
             if not async_op:
@@ -190,7 +197,7 @@ class Comm:
         elif window is not None and window.requested < wanted:
             larger = shared_memory.SharedWindow.open(group, ranks, me, wanted)
             if larger is not None:
-                self._replaced_windows_wait_s += window.barrier_s
+                self._replaced_windows.append(window)
                 window = self._windows[key] = larger
         return window
 
@@ -343,7 +350,7 @@ class Comm:
         """Seconds this rank has spent so far at the shared-memory collectives' barriers: mostly
         waiting for the last rank of the group to arrive (their skew), part of the time blocked
         that the flight recorder counts. 0 where no window is used (gloo's own ops, NCCL)."""
-        return self._replaced_windows_wait_s + sum(w.barrier_s for w in self._windows.values() if w)
+        return sum(w.barrier_s for w in [*self._replaced_windows, *self._windows.values()] if w)
 
     def uses_shared_memory(self, axis: AxesLike) -> bool:
         """Whether the group's collectives have gone through shared memory (comm/shared_memory.py)."""

@@ -95,15 +95,17 @@ class LoadBalancedRotary(nn.Module):
 
 def _flash_kernel(q: torch.Tensor, fused: bool) -> str | None:
     """Which flash kernel runs a block: "cpu", "cuda" (FlashAttention-2 as PyTorch ships it: bf16 or
-    fp16 on sm80+, head_dim a multiple of 8 up to 256), or None for the portable math. Both kernels
+    fp16 on NVIDIA sm80+, head_dim a multiple of 8 up to 256, unless switched off with
+    torch.backends.cuda.enable_flash_sdp(False)), or None for the portable math. Both kernels
     return the log-sum-exp the merge needs and take the merged one back in their backward, which
     public SDPA does not."""
     if not fused:
         return None
     if q.device.type == "cpu":
         return "cpu"
-    if (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+    if (q.device.type == "cuda" and torch.version.hip is None and torch.backends.cuda.flash_sdp_enabled()
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)):
         return "cuda"
     return None
 
