@@ -10,9 +10,9 @@ transports).
 Costs: a window of 2 x n slots of /dev/shm per set of ranks (slots as large as the largest op
 needs, 1-16 MiB; smaller where /dev/shm is small; none, and gloo's or the rings' op, where the
 ranks are on different hosts or /dev/shm has no room), one barrier per phase (~10 us on futexes,
-comm/shm_barrier.py; gloo's, ~0.3 ms, where that one cannot run), and no background progress: the work runs in the caller's thread when the op is waited (DDP's bucket
-all-reduces run in `finish_backward`, not under backward; on one core per rank there was no
-background to have).
+comm/shm_barrier.py; gloo's, ~0.3 ms, where that one cannot run), and no background progress:
+the work runs in the caller's thread when the op is waited (DDP's bucket all-reduces run in
+`finish_backward`, not under backward; on one core per rank there was no background to have).
 
 Each op is a sequence of phases, "write my slot, barrier, read the others' slots":
 - all-reduce up to `ONE_PHASE_MAX_BYTES` (the loss, norms, the vocabulary-parallel softmax's
@@ -84,10 +84,21 @@ def _shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+class BarrierClock:
+    """Seconds spent in the windows' barriers: a rank that arrives first waits there for the last
+    one (skew between ranks, not bytes moved, which the alpha-beta model of an op does not contain).
+    One per `Comm`, shared by its windows, so an op queued on a window since reopened larger still
+    counts."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
 class SharedWindow:
     """Two windows of n slots in memory shared by the ranks of one group. `open` is collective."""
 
-    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int, futex: bool):
+    def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int, futex: bool,
+                 clock: BarrierClock):
         # The mmap itself; tensors over it exist only while an op runs, so nothing that scans a
         # process's tensors (the memory tracker, the tests' live-bytes count) takes library memory
         # for model state.
@@ -99,12 +110,11 @@ class SharedWindow:
         # The barrier between phases: counters in the window's header (comm/shm_barrier.py), or
         # gloo's where their ordering argument does not hold.
         self.barrier = shm_barrier.FutexBarrier(buffer, n, me) if futex else None
-        # Seconds in the barriers: a rank that arrives first waits there for the last one (skew
-        # between ranks, not bytes moved), which the alpha-beta model of the op does not contain.
-        self.barrier_s = 0.0
+        self.clock = clock
 
     @classmethod
-    def open(cls, group, ranks: list[int], me: int, slot_bytes: int = WINDOW_BYTES) -> "SharedWindow | None":
+    def open(cls, group, ranks: list[int], me: int, slot_bytes: int = WINDOW_BYTES,
+             clock: BarrierClock | None = None) -> "SharedWindow | None":
         """The group's window, or None (on every rank alike) where the ranks are not all on one
         host or /dev/shm has no room: the caller keeps gloo's op then."""
         n = len(ranks)
@@ -143,7 +153,7 @@ class SharedWindow:
             os.unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
         if not int(every_mapped):
             return None
-        window = cls(mapped, group, n, me, slot_bytes, requested, futex)
+        window = cls(mapped, group, n, me, slot_bytes, requested, futex, clock or BarrierClock())
         dist.barrier(group=group)  # every rank's pid is in the header before anyone waits on it
         return window
 
@@ -153,7 +163,7 @@ class SharedWindow:
             self.barrier.wait()
         else:
             dist.barrier(group=self.group)
-        self.barrier_s += time.perf_counter() - t0
+        self.clock.seconds += time.perf_counter() - t0
 
     def _slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The current phase's window as [n, numel] of `dtype`; the next phase gets the other."""

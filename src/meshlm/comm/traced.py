@@ -126,7 +126,7 @@ class Comm:
         self._shared_memory = (shared_memory_ok and self._gloo
                                and os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0"))
         self._futex_barrier = shm_barrier.usable()
-        self._replaced_windows: list[shared_memory.SharedWindow] = []  # reopened larger; ops queued may still run there
+        self._barrier_clock = shared_memory.BarrierClock()  # every window's barrier seconds
 
     # ---- plumbing
 
@@ -174,7 +174,8 @@ class Comm:
         # Small all-reduces take the window only where its barrier is the futex one (decided alike
         # on every rank: one host, one architecture); the window's own check covers the rest.
         small = _bytes(tensor) < shared_memory.SHARED_MEMORY_MIN_BYTES and not self._futex_barrier
-        window = None if small else self._window(group, ranks, me, op, tensor, ops=shared_memory.ALL_REDUCE_OPS)
+        window = (None if small else
+                  self._window(group, ranks, me, op, tensor, ops=shared_memory.ALL_REDUCE_OPS))
         if window is not None and _bytes(tensor) >= window.all_reduce_min_bytes:
             work = shared_memory.Deferred(window.all_reduce, tensor, op)
             if not async_op:
@@ -193,12 +194,11 @@ class Comm:
         window = self._windows.get(key, False)
         wanted = shared_memory.slot_bytes_for(max(t.numel() * t.element_size() for t in tensors))
         if window is False:
-            window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted)
+            window = self._windows[key] = shared_memory.SharedWindow.open(group, ranks, me, wanted,
+                                                                          self._barrier_clock)
         elif window is not None and window.requested < wanted:
-            larger = shared_memory.SharedWindow.open(group, ranks, me, wanted)
-            if larger is not None:
-                self._replaced_windows.append(window)
-                window = self._windows[key] = larger
+            larger = shared_memory.SharedWindow.open(group, ranks, me, wanted, self._barrier_clock)
+            window = self._windows[key] = larger or window
         return window
 
     @_eager
@@ -350,7 +350,7 @@ class Comm:
         """Seconds this rank has spent so far at the shared-memory collectives' barriers: mostly
         waiting for the last rank of the group to arrive (their skew), part of the time blocked
         that the flight recorder counts. 0 where no window is used (gloo's own ops, NCCL)."""
-        return sum(w.barrier_s for w in [*self._replaced_windows, *self._windows.values()] if w)
+        return self._barrier_clock.seconds
 
     def uses_shared_memory(self, axis: AxesLike) -> bool:
         """Whether the group's collectives have gone through shared memory (comm/shared_memory.py)."""
