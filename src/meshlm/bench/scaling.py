@@ -22,7 +22,8 @@ the step; torch's collectives are invisible to the host, so for DDP/fully_shard 
 bounded by the step minus its compute-only twin, and for DTensor it is null); the alpha-beta
 model's prediction (analysis/steptime.py, comm/cost.py's links, compute calibrated on the
 one-rank point: FLOP/s = model FLOPs per step / its time). A CPU point with W > the cores this
-process may run on (`usable_cores`) is oversubscribed: ranks share cores, which the model does not know; the output says so.
+process may run on (`usable_cores`) is oversubscribed: ranks share cores, which the model does not
+know; the output says so.
 """
 
 from __future__ import annotations
