@@ -215,7 +215,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['world_size']:>2} {r['engine']:<6} {r['meshlm_tokens_per_s']:>12,.0f} {pct(r['meshlm_efficiency'])} "
             f"{pct(r['meshlm_exposed_comm_share']):>7} {pct(r['meshlm_peer_wait_share'])} | {r['reference']:<27} "
-            f"{r['reference_tokens_per_s']:>9,.0f} {pct(r['reference_efficiency'])} {pct(r['reference_exposed_comm_share']):>7} | "
+            f"{r['reference_tokens_per_s']:>9,.0f} {pct(r['reference_efficiency'])} "
+            f"{pct(r['reference_exposed_comm_share']):>7} | "
             f"{r['tokens_per_s_ratio']:>5.2f} | {r['predicted_tokens_per_s']:>9,.0f} {pct(r['predicted_efficiency'])} "
             f"{pct(r['predicted_exposed_comm_share']):>7} | " + ("oversubscribed" if r["oversubscribed"] else ""))
     return "\n".join(lines)
