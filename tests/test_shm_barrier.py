@@ -146,3 +146,41 @@ def test_a_peer_alive_but_absent_past_the_limit_raises(monkeypatch):
     (message, seconds), = raised
     assert re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) has not arrived in \d+ s", message)
     assert 1.5 <= seconds < 4
+
+
+def test_a_waiting_rank_sleeps_in_the_kernel_instead_of_spinning():
+    """The waiter's thread uses almost no CPU while its peer is late (the futex sleeps only while
+    the counter holds the value it read: pass the wrong one and it returns at once, a busy loop)."""
+    _, (mine, peer) = _barriers(2)
+    for _ in range(3):  # a few rounds first: counters past 0, where a mangled value would show
+        t = threading.Thread(target=peer.wait)
+        t.start()
+        mine.wait()
+        t.join()
+    cpu = []
+
+    def waiter():
+        t0 = time.thread_time()
+        mine.wait()
+        cpu.append(time.thread_time() - t0)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)
+    peer.wait()
+    t.join(timeout=10)
+    assert cpu and cpu[0] < 0.1, cpu  # of 0.5 s waited
+
+
+@pytest.mark.parametrize("n,expected", [(1, 4096), (2, 4096), (32, 4096), (33, 8192), (100, 16384)])
+def test_the_header_holds_every_counter_and_pid_and_keeps_the_slots_page_aligned(n, expected):
+    size = shm_barrier.header_bytes(n)
+    assert size == expected and size % 4096 == 0 and size >= n * shm_barrier.LINE + 8 * n
+
+
+def test_no_futex_barrier_where_peers_pids_cannot_be_read(monkeypatch):
+    def unreadable(path):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(shm_barrier.os, "readlink", unreadable)
+    assert shm_barrier.pid_namespace() == "" and not shm_barrier.usable()

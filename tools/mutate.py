@@ -60,6 +60,11 @@ MODULES = {
         "tests/test_hf_interop.py::test_config_comes_from_the_source_and_contradictions_name_the_key",
         "-k", "not cli_exits"]),
     "config_ranges": ("src/meshlm/config_ranges.py", ["tests/test_config.py", "-k", "not cli_exits"]),
+    # The futex barrier on its own (threads, two processes, dead and absent peers), and the
+    # shared-memory collectives that stand on it.
+    "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
+        "tests/test_shm_barrier.py",
+        "tests/test_shared_memory.py::test_window_collectives_equal_gloo_and_are_identical_on_every_rank"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
