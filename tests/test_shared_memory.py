@@ -203,3 +203,14 @@ def test_without_the_futex_barrier_small_all_reduces_stay_gloo_and_open_no_windo
     the window (with gloo's barrier) takes them, below that nothing is opened for them."""
     for out in run_ranks(_gloo_barrier_rank, 3):
         assert out == ({}, True, True, True)
+
+
+def test_the_futex_barrier_runs_wherever_its_conditions_hold():
+    """Not only skipped-when-unusable: on x86-64 Linux with a readable pid namespace (this machine,
+    CI's) the windows must get the futex barrier, or every shared-memory op silently pays gloo's."""
+    import platform
+    import sys
+
+    expected = (sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
+                and os.path.exists("/proc/self/ns/pid"))
+    assert shm_barrier.usable() == expected
