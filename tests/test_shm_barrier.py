@@ -184,3 +184,21 @@ def test_no_futex_barrier_where_peers_pids_cannot_be_read(monkeypatch):
 
     monkeypatch.setattr(shm_barrier.os, "readlink", unreadable)
     assert shm_barrier.pid_namespace() == "" and not shm_barrier.usable()
+
+
+def test_an_unexpected_futex_error_raises_instead_of_looping():
+    """EAGAIN (the counter moved), EINTR (a signal) and ETIMEDOUT (the liveness tick) are the
+    waits' normal returns; any other error (seccomp's EPERM, ENOSYS) would otherwise turn the wait
+    into a silent busy loop."""
+    _, (mine, _peer) = _barriers(2)
+    real = mine._futex
+
+    def refused(address, op, value, timeout):
+        if op == shm_barrier.FUTEX_WAIT:
+            ctypes.set_errno(errno.EPERM)
+            return -1
+        return real(address, op, value, timeout)
+
+    mine._futex = refused
+    with pytest.raises(OSError, match="futex wait failed"):
+        mine.wait()
