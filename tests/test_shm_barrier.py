@@ -200,5 +200,16 @@ def test_an_unexpected_futex_error_raises_instead_of_looping():
         return real(address, op, value, timeout)
 
     mine._futex = refused
-    with pytest.raises(OSError, match="futex wait failed"):
-        mine.wait()
+    raised = []
+
+    def wait():
+        try:
+            mine.wait()
+        except OSError as e:
+            raised.append(str(e))
+
+    waiter = threading.Thread(target=wait, daemon=True)  # a wait that loops forever fails, not hangs
+    waiter.start()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive(), "the barrier kept looping on a failing futex"
+    assert len(raised) == 1 and "futex wait failed" in raised[0]
