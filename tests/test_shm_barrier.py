@@ -26,6 +26,25 @@ def _barriers(n):
     return buffer, [shm_barrier.FutexBarrier(buffer, n, me) for me in range(n)]
 
 
+def _raised_within(barrier, seconds):
+    """`barrier.wait()` in a thread: (what it raised, seconds until then). A wait that never
+    returns fails the test instead of hanging it."""
+    raised, t0 = [], time.perf_counter()
+
+    def wait():
+        try:
+            barrier.wait()
+        except Exception as e:  # noqa: BLE001 - the caller checks which
+            raised.append((e, time.perf_counter() - t0))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=seconds)
+    assert not waiter.is_alive(), f"the barrier was still waiting after {seconds} s"
+    assert len(raised) == 1, "the barrier returned instead of raising"
+    return raised[0]
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_nobody_passes_a_barrier_before_everyone_arrived(n):
     _, barriers = _barriers(n)
@@ -64,19 +83,9 @@ def test_a_dead_peer_makes_the_waiter_raise_instead_of_hang(reaped):
         while open(f"/proc/{gone.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)
     mine._pids[1] = gone.pid
-    raised = []
-
-    def wait():
-        try:
-            mine.wait()
-        except RuntimeError as e:
-            raised.append(str(e))
-
-    waiter = threading.Thread(target=wait, daemon=True)  # a barrier that never returns fails, not hangs
-    waiter.start()
-    waiter.join(timeout=3 * shm_barrier.LIVENESS_EVERY_S)
-    assert not waiter.is_alive(), "the barrier kept waiting for a dead peer"
-    assert len(raised) == 1 and re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) is gone; .*", raised[0])
+    error, _ = _raised_within(mine, 3 * shm_barrier.LIVENESS_EVERY_S)
+    assert isinstance(error, RuntimeError)
+    assert re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) is gone; .*", str(error))
     gone.wait()
 
 
@@ -131,20 +140,9 @@ def test_a_peer_alive_but_absent_past_the_limit_raises(monkeypatch):
     monkeypatch.setattr(shm_barrier, "GIVE_UP_S", 1.5)
     _, (mine, _peer) = _barriers(2)
     mine._pids[1] = os.getpid()  # alive (it is us), and never arrives
-    raised, t0 = [], time.perf_counter()
-
-    def wait():
-        try:
-            mine.wait()
-        except TimeoutError as e:
-            raised.append((str(e), time.perf_counter() - t0))
-
-    waiter = threading.Thread(target=wait, daemon=True)  # a barrier that never gives up fails, not hangs
-    waiter.start()
-    waiter.join(timeout=5)
-    assert not waiter.is_alive(), "the barrier kept waiting past its limit"
-    (message, seconds), = raised
-    assert re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) has not arrived in \d+ s", message)
+    error, seconds = _raised_within(mine, 5)
+    assert isinstance(error, TimeoutError)
+    assert re.fullmatch(r"shared-memory barrier: peer 1 of 2 \(pid \d+\) has not arrived in \d+ s", str(error))
     assert 1.5 <= seconds < 4
 
 
@@ -200,16 +198,5 @@ def test_an_unexpected_futex_error_raises_instead_of_looping():
         return real(address, op, value, timeout)
 
     mine._futex = refused
-    raised = []
-
-    def wait():
-        try:
-            mine.wait()
-        except OSError as e:
-            raised.append(str(e))
-
-    waiter = threading.Thread(target=wait, daemon=True)  # a wait that loops forever fails, not hangs
-    waiter.start()
-    waiter.join(timeout=5)
-    assert not waiter.is_alive(), "the barrier kept looping on a failing futex"
-    assert len(raised) == 1 and "futex wait failed" in raised[0]
+    error, _ = _raised_within(mine, 5)
+    assert isinstance(error, OSError) and "futex wait failed" in str(error)
