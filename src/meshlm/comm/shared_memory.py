@@ -68,7 +68,12 @@ def host_id() -> int:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return int.from_bytes(hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()[:7], "little")
+    return _as_int(f"{socket.gethostname()}/{boot}")
+
+
+def _as_int(text: str) -> int:
+    """`text` as a number that fits an int64 tensor, equal on every rank that has the same text."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def slot_bytes_for(nbytes: int) -> int:
@@ -118,8 +123,8 @@ class SharedWindow:
         """The group's window, or None (on every rank alike) where the ranks are not all on one
         host or /dev/shm has no room: the caller keeps gloo's op then."""
         n = len(ranks)
-        pid_space = int.from_bytes(hashlib.sha256(shm_barrier.pid_namespace().encode()).digest()[:7], "little")
-        facts = torch.tensor([host_id(), _shm_free_bytes(), pid_space, int(shm_barrier.usable())], dtype=torch.int64)
+        facts = torch.tensor([host_id(), _shm_free_bytes(), _as_int(shm_barrier.pid_namespace()),
+                              int(shm_barrier.usable())], dtype=torch.int64)
         every = [torch.empty_like(facts) for _ in range(n)]
         dist.all_gather(every, facts, group=group)
         if len({int(t[0]) for t in every}) != 1:
