@@ -123,6 +123,32 @@ def test_equals_torch_distributed_data_parallel(kind):
             assert (params[name] - p).abs().max() <= 1e-5, name
 
 
+def _one_rank(steps):
+    grads, params = _poisoned_train("ddp", steps, bucket_bytes=SMALL_BUCKETS)
+    model = debug_model()
+    dp = DDP(model, comm_here(), TRAIN, bucket_bytes=SMALL_BUCKETS)
+    for micro in range(2):
+        inputs, targets, _ = local_batch(micro, 0, 1)
+        with dp.no_sync() if micro == 0 else torch.enable_grad():  # accumulating needs nothing either
+            token_loss_sum(dp.module(inputs), targets).backward()
+        if micro == 0:
+            autograds_own = {id(p): p.grad for p in model.parameters()}
+    dp.finish_backward()
+    kept = all(p.grad is autograds_own[id(p)] for p in model.parameters())
+    return grads, params, len(dp._hooks), dp.grad_buffer is None, kept
+
+
+def test_at_one_rank_the_gradients_stay_autograds_own_and_equal_torch_ddp():
+    """Nothing to reduce: no hooks, no buffer, autograd's .grad is what AdamW reads; same result."""
+    reference = run_ranks(_train, 1, "torch", 5, timeout=60)[0]
+    grads, params, hooks, no_buffer, kept = run_ranks(_one_rank, 1, 5, timeout=60)[0]
+    assert (hooks, no_buffer, kept) == (0, True, True)
+    for name, g in reference[0].items():
+        assert (grads[name] - g).abs().max() <= 1e-6, name
+    for name, p in reference[1].items():
+        assert (params[name] - p).abs().max() <= 1e-5, name
+
+
 # --------------------------------------------------------------------------- overlap, no_sync, bytes
 
 
@@ -227,13 +253,14 @@ def _unused_steps(use_on_step):
     return dp.unused_parameters, grads
 
 
-def test_unused_parameters_are_found_on_the_first_step():
-    results = run_ranks(_unused_rank, 2, None, timeout=60)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_unused_parameters_are_found_on_the_first_step(world_size):
+    results = run_ranks(_unused_rank, world_size, None, timeout=60)
     unused, grads = results[0]
     assert sorted(unused) == ["unused.bias", "unused.weight"]
     assert grads[0]["a.weight"].abs().sum() > 0
-    for step in range(3):  # the sum over both ranks, identical on each; unused ones stay zero
-        assert torch.equal(grads[step]["a.weight"], results[1][1][step]["a.weight"])
+    for step in range(3):  # the sum over the ranks, identical on each; unused ones stay zero
+        assert torch.equal(grads[step]["a.weight"], results[-1][1][step]["a.weight"])
         assert grads[step]["unused.weight"].abs().sum() == 0
 
 

@@ -17,6 +17,9 @@ How it works (PyTorch's DistributedDataParallel reducer, in ~200 lines of Python
 - `no_sync()` turns the hooks off: micro-batches accumulate locally and only the last one's
   backward communicates. The loss is already divided by the global token count, so the
   reduction is a SUM.
+- At one rank (no dp or cp peers: single-GPU runs, tp- or pp-only layouts) there is nothing to
+  reduce: autograd's own `.grad` tensors are the gradients the optimizer reads. No hook runs and
+  no buffer exists (a hook costs ~45 us of Python per parameter, plus a copy of every gradient).
 Works for any nn.Module. Mixed precision (`MixedPrecision(bf16)`): bf16 parameters and gradient
 buffer, each bucket upcast and all-reduced in fp32, an fp32 master copy for AdamW.
 """
@@ -61,11 +64,13 @@ class DDP:
         self._sync = True
         self._pending: list = []  # (handle, callback) of launched async reductions
         self._slot_of = {id(s.param): s for s in self.layout.slots}  # ZeRO-2's hook finds its slot
+        self.autograd_grads = self._keeps_autograd_grads()
         self._setup_buffers()
         self.tracker = ReadyTracker([[(s.name, s.param) for s in b.slots] for b in self.layout.buckets],
                                     self._launch)
         hook = weak_hook(self._on_grad_ready)
-        self._hooks = [s.param.register_post_accumulate_grad_hook(hook) for s in self.layout.slots]
+        self._hooks = [] if self.autograd_grads else [
+            s.param.register_post_accumulate_grad_hook(hook) for s in self.layout.slots]
         self.optim = SegmentAdamW(self._master_segments(), train_cfg)
         self.unused_parameters: list[str] = []
 
@@ -73,6 +78,10 @@ class DDP:
 
     def _align(self) -> int:
         return 1
+
+    def _keeps_autograd_grads(self) -> bool:
+        """Whether the gradients stay in autograd's `.grad` (no buffer, no hooks): at one rank."""
+        return self.n == 1
 
     def _setup_buffers(self) -> None:
         self.grad_buffer = None  # allocated by the step's first gradient, freed by zero_grad
@@ -109,6 +118,11 @@ class DDP:
 
     def _ensure_grads(self) -> None:
         """Every parameter's .grad is its buffer view; those no gradient reached hold zeros."""
+        if self.autograd_grads:
+            for s in self.layout.slots:
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
+            return
         self._grad_storage()
         for key in self._unwritten:
             self._grad_views[key].zero_()
@@ -139,8 +153,14 @@ class DDP:
         for s in self.layout.slots:
             seg = Segment(s, s.start, s.end)
             master = self.master[s.start: s.end] if self.master is not None else s.param.data.view(-1)
-            out.append(MasterSegment(seg, master, lambda s=s: self._grad_storage()[s.start: s.end]))
+            out.append(MasterSegment(seg, master, lambda s=s: self._flat_grad(s)))
         return out
+
+    def _flat_grad(self, slot) -> torch.Tensor:
+        """`slot`'s gradient, 1-D: its buffer view, or autograd's own tensor at one rank."""
+        if self.autograd_grads:
+            return slot.param.grad.view(-1)
+        return self._grad_storage()[slot.start: slot.end]
 
     # ------------------------------------------------------------------ backward
 
@@ -171,6 +191,12 @@ class DDP:
 
     def finish_backward(self) -> None:
         """Launch the buckets still waiting (unused parameters), then wait for every reduction."""
+        if self.autograd_grads:
+            if self.tracker.first_step:
+                self.unused_parameters = [s.name for s in self.layout.slots if s.param.grad is None]
+                self.tracker.first_step = False
+            self._ensure_grads()
+            return
         self._ensure_grads()  # they exist even if no gradient arrived (every parameter unused)
         first = self.tracker.first_step
         missing = self.tracker.flush()
@@ -220,6 +246,8 @@ class DDP:
         yield from self.module.parameters()
         if self.grad_buffer is not None:
             yield self.grad_buffer
+        if self.autograd_grads:
+            yield from (s.param.grad for s in self.layout.slots if s.param.grad is not None)
         if self.master is not None:
             yield self.master
         yield from self.optim.state_tensors()
@@ -227,7 +255,8 @@ class DDP:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (views of one storage counted once)."""
         return {"params": storage_bytes(s.param for s in self.layout.slots),
-                "grads": storage_bytes([self.grad_buffer]),
+                "grads": storage_bytes([s.param.grad for s in self.layout.slots] if self.autograd_grads
+                                       else [self.grad_buffer]),
                 "master": storage_bytes([self.master]),
                 "optimizer": storage_bytes(self.optim.state_tensors())}
 
@@ -237,8 +266,10 @@ class DDP:
         if grads:
             self._ensure_grads()
         for s in self.layout.slots:
-            src = self._grad_storage() if grads else (self.master if self.master is not None else None)
-            value = s.param.detach() if src is None else src[s.start: s.end].view(s.shape)
+            if grads:
+                value = self._flat_grad(s).view(s.shape)
+            else:
+                value = s.param.detach() if self.master is None else self.master[s.start: s.end].view(s.shape)
             out[id(s.param)] = value.float().clone()
         return out
 

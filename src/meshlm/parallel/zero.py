@@ -70,6 +70,9 @@ class ZeroDataParallel(DDP):
     def _align(self) -> int:
         return self.n
 
+    def _keeps_autograd_grads(self) -> bool:
+        return False  # the shard buffers are the layout, at any size (ZeRO at one rank is a test case)
+
     def _shard_offsets(self) -> list[int]:
         """Where each bucket's slice of this rank sits in the rank's shard buffers."""
         offsets, total = [], 0
