@@ -60,6 +60,13 @@ MODULES = {
         "tests/test_hf_interop.py::test_config_comes_from_the_source_and_contradictions_name_the_key",
         "-k", "not cli_exits"]),
     "config_ranges": ("src/meshlm/config_ranges.py", ["tests/test_config.py", "-k", "not cli_exits"]),
+    # The chunked cross-entropy: against F.cross_entropy (dtypes, consumed logits, ignored targets)
+    # and, vocabulary-parallel, against one process across shard boundaries.
+    "loss": ("src/meshlm/model/loss.py", ["tests/test_model.py", "tests/test_vocab_parallel.py",
+                                          "-k", "chunked_loss or logits_and_loss or vocab or loss"]),
+    # The segment AdamW, the gradient upcast and clipping under every data-parallel engine.
+    "mixed_precision": ("src/meshlm/parallel/mixed_precision.py", [
+        "tests/test_zero.py", "tests/test_ddp.py", "tests/test_grad_norm.py"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
