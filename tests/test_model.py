@@ -276,3 +276,20 @@ def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consu
     assert (logits.grad.data_ptr() == logits.data_ptr()) == consume
     if not consume:
         assert torch.equal(logits.detach(), base)
+
+
+def test_the_trainers_loss_writes_the_gradient_into_the_logits():
+    """consuming_token_loss_sum is the trainer's: no second [tokens, vocab] buffer in backward."""
+    from meshlm.model.loss import consuming_token_loss_sum
+
+    logits = torch.randn(6, 32, requires_grad=True)
+    consuming_token_loss_sum(logits, torch.arange(6)).backward()
+    assert logits.grad.data_ptr() == logits.data_ptr()
+
+
+def test_a_chunk_holds_at_least_one_row_and_at_most_chunk_bytes():
+    from meshlm.model.loss import CHUNK_BYTES, chunk_rows
+
+    assert chunk_rows(CHUNK_BYTES) == 1  # a vocabulary wider than a chunk: one row at a time
+    for vocab in (1000, 32000, 128256):
+        assert chunk_rows(vocab) * 4 * vocab <= CHUNK_BYTES < (chunk_rows(vocab) + 1) * 4 * vocab
