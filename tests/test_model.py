@@ -251,7 +251,7 @@ def test_peak_lookup_and_mfu():
 def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consume):
     from meshlm.model import loss as loss_module
 
-    vocab, n = 96, 37
+    vocab, n = 32, 37  # more rows than vocabulary entries: no loop may run over the wrong one
     # 4 rows per chunk: ten chunks, the last one ragged (37 = 9 * 4 + 1).
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 4 * vocab)
     assert loss_module.chunk_rows(vocab) == 4
@@ -260,10 +260,11 @@ def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consu
     targets = torch.randint(0, vocab, (n,), generator=gen)
     targets[[0, 5, 36]] = loss_module.IGNORE_INDEX  # in the first, a middle and the ragged chunk
     ref_logits = base.clone().requires_grad_()
-    ref = F.cross_entropy(ref_logits.float(), targets, ignore_index=loss_module.IGNORE_INDEX, reduction="sum")
+    # torch's default ignore_index, -100: the label convention of transformers' datasets too
+    ref = F.cross_entropy(ref_logits.float(), targets, reduction="sum")
     (ref * 0.5).backward()
     logits = base.clone().requires_grad_()
-    ours = loss_module.token_loss_sum(logits, targets, consume_logits=consume)
+    ours = loss_module.token_loss_sum(logits, targets, **({"consume_logits": True} if consume else {}))
     (ours * 0.5).backward()
     assert ours.dtype == torch.float32
     assert abs(ours.item() - ref.item()) <= 1e-5 * abs(ref.item())
@@ -272,7 +273,7 @@ def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consu
     tolerance = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: one rounding of the gradient
     assert (grad - ref_logits.grad.float()).abs().max() <= tolerance
     assert grad[[0, 5, 36]].abs().max() == 0
-    # consume_logits reuses the logits' storage for their gradient; without it they stay intact.
+    # consume_logits reuses the logits' storage for their gradient; by default they stay intact.
     assert (logits.grad.data_ptr() == logits.data_ptr()) == consume
     if not consume:
         assert torch.equal(logits.detach(), base)

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from meshlm.config import load_config, resolve
+from meshlm.config import TrainConfig, load_config, resolve
 from meshlm.mesh import ParallelContext
 from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
@@ -205,12 +205,57 @@ def test_gradient_upcast_is_one_cast_per_run_of_adjacent_segments():
 
     flat = torch.randn(20).bfloat16()
     other = torch.randn(6).bfloat16()
-    grads = [flat[0:3], flat[3:7], flat[9:12], flat[12:13], torch.randn(4), other[::2], other[1:3]]
+    grads = [flat[0:3], flat[3:7], flat[9:12], flat[12:13], flat[13:16], torch.randn(4), other[::2], other[1:3]]
     dtypes = [torch.float32] * len(grads)
     out = upcast_runs(grads, dtypes)
     for g, o in zip(grads, out):
         assert o.dtype == torch.float32 and torch.equal(o, g.float())
     storage = [o.untyped_storage().data_ptr() for o in out]
-    assert storage[0] == storage[1] != storage[2] == storage[3]  # a gap at 7:9 starts a new run
-    assert out[4] is grads[4]  # already fp32: passed as is
-    assert len(set(storage)) == 5  # runs {0,1}, {2,3}, the fp32 one, the strided one, other's
+    assert storage[0] == storage[1] != storage[2] == storage[3] == storage[4]  # a gap at 7:9 starts a new run
+    assert out[5] is grads[5]  # already fp32: passed as is
+    assert len(set(storage)) == 5  # runs {0,1}, {2,3,4}, the fp32 one, the strided one, other's
+
+
+def test_storage_bytes_counts_each_storage_once_exactly():
+    from meshlm.parallel.mixed_precision import storage_bytes
+
+    flat, other = torch.zeros(10), torch.zeros(3, dtype=torch.bfloat16)
+    assert storage_bytes([flat[:4], None, flat[4:], other, torch.zeros(0), flat]) == 10 * 4 + 3 * 2
+    assert storage_bytes([]) == 0
+
+
+class _OneOfEach(torch.nn.Module):
+    """One 3-D weight (it decays, as every tensor of two or more dims) and one vector (it does
+    not): each of AdamW's two groups holds a single tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 3, 4))
+        self.b = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return (self.w.sum(0) @ x + self.b).square().sum()
+
+
+def test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimizer():
+    from meshlm.parallel.mixed_precision import MasterSegment, SegmentAdamW, decays
+    from meshlm.parallel.flat_buffer import FlatLayout, Segment
+    from meshlm.train.optim import build_optimizer
+
+    train = TrainConfig(lr=0.1, weight_decay=0.5)
+    ours, theirs = _OneOfEach(), _OneOfEach()
+    theirs.load_state_dict(ours.state_dict())
+    layout = FlatLayout(list(ours.named_parameters()), 2**20, align=1, itemsize=4)
+    optim = SegmentAdamW([MasterSegment(Segment(s, s.start, s.end), s.param.data.view(-1),
+                                        lambda s=s: s.param.grad.view(-1)) for s in layout.slots], train)
+    reference = build_optimizer(theirs, train)
+    assert [decays(p) for p in ours.parameters()] == [True, False]
+    x = torch.randn(4)
+    for _ in range(3):
+        for model in (ours, theirs):
+            model.zero_grad()
+            model(x).backward()
+        optim.step(train.lr, None)
+        reference.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)

@@ -66,7 +66,8 @@ MODULES = {
                                           "-k", "chunked_loss or logits_and_loss or vocab or loss"]),
     # The segment AdamW, the gradient upcast and clipping under every data-parallel engine.
     "mixed_precision": ("src/meshlm/parallel/mixed_precision.py", [
-        "tests/test_zero.py", "tests/test_ddp.py", "tests/test_grad_norm.py"]),
+        "tests/test_zero.py", "tests/test_grad_norm.py", "tests/test_ddp.py",
+        "-k", "not bench and not overlap and not bytes_on_the_wire and not tracker and not flat_layout"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
