@@ -283,8 +283,12 @@ def test_the_trainers_loss_writes_the_gradient_into_the_logits():
     """consuming_token_loss_sum is the trainer's: no second [tokens, vocab] buffer in backward."""
     from meshlm.model.loss import consuming_token_loss_sum
 
-    logits = torch.randn(6, 32, requires_grad=True)
-    consuming_token_loss_sum(logits, torch.arange(6)).backward()
+    logits = torch.randn(2, 3, 32, requires_grad=True)  # [batch, seq, vocab], as the model returns them
+    targets = torch.arange(6).view(2, 3)
+    expected = F.cross_entropy(logits.detach().view(6, 32), targets.view(6), reduction="sum")
+    loss = consuming_token_loss_sum(logits, targets)
+    assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
+    loss.backward()
     assert logits.grad.data_ptr() == logits.data_ptr()
 
 
