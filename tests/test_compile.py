@@ -7,6 +7,7 @@ first step of the debug model on a 2-core VM). A counting backend proves the com
 no-op train.compile fails here) and that the blocks share their graphs rather than compiling one
 each."""
 
+import collections
 from unittest import mock
 
 import pytest
@@ -26,26 +27,32 @@ COMPILED = ("train.compile=true", "train.compile_backend=aot_eager")
 
 class CountingBackend:
     """Stands in for torch.compile while the model is built: the backend the config named, wrapped
-    to count the graphs dynamo hands it and the calls of each compiled graph."""
+    to count, per compiled function (a block's `forward`, the loss's two chunk kernels), the graphs
+    dynamo hands it and the calls of those graphs."""
 
     def __init__(self):
-        self.graphs = self.calls = 0
-        self.backend = None  # the name the config passed
+        self.graphs, self.calls = collections.Counter(), collections.Counter()
         self.compile = torch.compile
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        compiled = lookup_backend(self.backend)(gm, example_inputs)
-
-        def run(*args):
-            self.calls += 1
-            return compiled(*args)
-
-        return run
+        self.backends = {}  # one per function name: dynamo shares graphs only within one backend
 
     def torch_compile(self, fn, *, backend, **options):
-        self.backend = backend
-        return self.compile(fn, backend=self, **options)
+        name = fn.__name__
+        if name not in self.backends:
+            self.backends[name] = self._counting(name, backend)
+        return self.compile(fn, backend=self.backends[name], **options)
+
+    def _counting(self, name, backend):
+        def counting(gm, example_inputs):
+            self.graphs[name] += 1
+            compiled = lookup_backend(backend)(gm, example_inputs)
+
+            def run(*args):
+                self.calls[name] += 1
+                return compiled(*args)
+
+            return run
+
+        return counting
 
 
 def train(corpus, run_dir, world_size, *extra):
@@ -86,9 +93,13 @@ def test_compiled_blocks_train_as_eager_on_one_process(corpus, tmp_path, eager):
     losses, norms, grads, weights, graphs, calls, _ = train(corpus, tmp_path, 1, *COMPILED, "train.recompute=selective",
                                                             "train.track_memory=true")
     ref_losses, ref_norms, ref_grads, ref_weights = eager[:4]
-    assert graphs == 1  # one graph for the 4 blocks: no recompilation per block
+    assert graphs["forward"] == 1  # one graph for the 4 blocks: no recompilation per block
     micro_batches = 4  # global batch 8 / micro-batch 2
-    assert calls == (STEPS - FIRST_COMPILED_STEP + 1) * micro_batches * LAYERS
+    compiled_micro_batches = (STEPS - FIRST_COMPILED_STEP + 1) * micro_batches
+    assert calls["forward"] == compiled_micro_batches * LAYERS
+    # the loss's chunk maths, compiled too: one chunk per micro-batch at this vocabulary
+    assert graphs["exp_sum_and_target"] == graphs["grad_in_logits_dtype"] == 1
+    assert calls["exp_sum_and_target"] == calls["grad_in_logits_dtype"] == compiled_micro_batches
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         assert torch.allclose(grads[name], ref, atol=1e-6, rtol=0), name
@@ -110,10 +121,49 @@ def test_compiled_blocks_train_as_one_eager_process_on_layouts(corpus, tmp_path,
     ref_losses, ref_norms, _, ref_weights = eager[:4]
     results = run_ranks(train, world, corpus, tmp_path, world, *COMPILED, *layout, timeout=300)
     for losses, norms, _, weights, graphs, calls, rank in results:
-        assert graphs > 0 and calls > 0, rank
+        assert graphs["forward"] > 0 and calls["forward"] > 0, rank
+        if not (layout == ["parallel.pp=2"] and rank == 0):  # the first stage computes no loss
+            assert calls["exp_sum_and_target"] > 0 and calls["grad_in_logits_dtype"] > 0, rank
         assert losses == pytest.approx(ref_losses, abs=1e-5), rank
         assert norms == pytest.approx(ref_norms, abs=1e-6), rank
         if rank == 0:  # the gathered full weights live on global rank 0
             assert weights.keys() == ref_weights.keys()
             for name, ref in ref_weights.items():
                 assert torch.allclose(weights[name], ref, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("consume", [False, True])
+def test_compiled_loss_chunks_equal_the_eager_loss(monkeypatch, backend, dtype, consume):
+    """The loss's chunk maths compiled (train.compile): the same loss and gradient as eagerly, with
+    the gradient in the logits' dtype, over full chunks and a ragged last one (a second shape),
+    ignored targets, and more rows than vocabulary entries."""
+    from meshlm.model import loss as loss_module
+    from meshlm.parallel.compile import compile_loss_kernels
+
+    torch._dynamo.reset()
+    vocab, n = 24, 29
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 8 * 4 * vocab)  # 8 rows a chunk: 3 full, then 5
+    gen = torch.Generator().manual_seed(5)
+    base = (torch.randn(n, vocab, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[[1, 9, 28]] = loss_module.IGNORE_INDEX
+    kernels = compile_loss_kernels(backend)
+    row_max = torch.zeros(8)
+    assert kernels.grad(base[:8], targets[:8], row_max, row_max + 1, targets[:8] >= 0, consume).dtype == dtype
+    results = []
+    for k in (None, kernels, kernels):  # eager, then compiled twice (the second call reuses the graphs)
+        logits = base.clone().requires_grad_()
+        loss = loss_module.token_loss_sum(logits, targets, consume_logits=consume, kernels=k)
+        (loss * 0.5).backward()
+        results.append((loss.item(), logits.grad.clone(), logits.detach().clone()))
+    torch._dynamo.reset()
+    (eager_loss, eager_grad, _), *compiled = results
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -8  # bf16: at most one rounding apart
+    for loss, grad, after in compiled:
+        assert grad.dtype == dtype
+        assert abs(loss - eager_loss) <= 1e-6 * abs(eager_loss)
+        assert (grad.float() - eager_grad.float()).abs().max() <= tolerance
+        assert grad[[1, 9, 28]].abs().max() == 0
+        assert consume or torch.equal(after, base)

@@ -52,12 +52,13 @@ class MeshlmEngine:
 
     def __init__(self, cfg, ctx) -> None:
         from meshlm.comm import Comm
-        from meshlm.model.loss import consuming_token_loss_sum
-        from meshlm.parallel.apply import build_engine, build_local_model
+        from meshlm.parallel.apply import build_engine, build_local_model, build_loss
 
         self.comm = comm = Comm(ctx)
-        self.device, self.train, self.loss_sum = ctx.device, cfg.train, consuming_token_loss_sum  # the trainer's
-        self.dp = build_engine(build_local_model(cfg, comm), cfg, comm)
+        self.device, self.train = ctx.device, cfg.train
+        local = build_local_model(cfg, comm)
+        self.loss_sum = build_loss(cfg, local, comm)  # the trainer's: compiled chunks in the compile rows
+        self.dp = build_engine(local, cfg, comm)
         self.first_loss = None  # the loss of the first step, from the initial weights
 
     def step(self, inputs, targets, tokens) -> None:

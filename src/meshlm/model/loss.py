@@ -12,9 +12,16 @@ precision), each chunk of rows is upcast, reduced to its log-sum-exp and dropped
 recomputes the softmax chunk by chunk from the saved logits and the per-token log-sum-exp.
 With `consume_logits`, backward writes the gradient into the logits' own storage (Megatron's
 trick in its vocab-parallel loss): the caller promises never to read the logits again.
+
+The per-chunk maths lives in two functions (`ChunkKernels`): run eagerly they allocate fp32 chunks
+and pass over them several times (~58 bytes of memory traffic per logit, forward and backward);
+compiled (train.compile, parallel/compile.py) each becomes one fused kernel that reads the logits
+once and writes their gradient once in the logits' dtype (~10 bytes per bf16 logit).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -27,6 +34,35 @@ CHUNK_BYTES = 32 * 2**20
 def chunk_rows(vocab_size: int) -> int:
     """Tokens per chunk of the loss (analysis/memory.py counts the same fp32 chunk)."""
     return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def exp_sum_and_target(chunk: torch.Tensor, local: torch.Tensor, row_max: torch.Tensor):
+    """Forward, one chunk of rows: (sum_j exp(x_j - m), x_target - m), fp32, logits in any dtype."""
+    shifted = chunk - row_max[:, None]  # a new fp32 chunk, in any dtype
+    target = shifted.gather(1, local[:, None]).squeeze(1)
+    return shifted.exp_().sum(-1), target
+
+
+def softmax_minus_target(chunk: torch.Tensor, local: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                         mine: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """Backward, one chunk of rows: (softmax - onehot(target)) x the incoming gradient, fp32.
+    `in_place` (consumed logits): an fp32 chunk is overwritten instead of copied."""
+    g = chunk.float() if in_place else chunk.to(torch.float32, copy=True)
+    g.sub_(lse[:, None]).exp_()
+    g.scatter_add_(1, local[:, None].clamp(min=0), -mine[:, None].float())
+    return g.mul_(scale[:, None])
+
+
+class ChunkKernels(NamedTuple):
+    """The per-chunk maths of ChunkedCrossEntropy: `exp_sum_and_target(chunk, local, row_max)` and
+    `grad(chunk, local, lse, scale, mine, in_place)`, whose result backward copies into the
+    gradient unless it already is the gradient's storage."""
+
+    exp_sum_and_target: Callable
+    grad: Callable
+
+
+EAGER_KERNELS = ChunkKernels(exp_sum_and_target, softmax_minus_target)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -42,7 +78,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     exactly one rank. One process: no reduction, offset 0."""
 
     @staticmethod
-    def forward(ctx, logits, targets, consume, offset=0, all_reduce=None):
+    def forward(ctx, logits, targets, consume, offset=0, all_reduce=None, kernels=None):
+        kernels = kernels or EAGER_KERNELS
         rows, n = chunk_rows(logits.shape[1]), logits.shape[0]
         local = targets - offset
         mine = (local >= 0) & (local < logits.shape[1]) & (targets != IGNORE_INDEX)
@@ -54,10 +91,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             all_reduce(row_max, torch.distributed.ReduceOp.MAX)
         sums = torch.empty((2, n), dtype=torch.float32, device=logits.device)  # exp sums, target logits
         for lo in range(0, n, rows):
-            chunk = logits[lo:lo + rows] - row_max[lo:lo + rows, None]  # a new fp32 chunk, in any dtype
-            sums[1, lo:lo + rows] = chunk.gather(1, local[lo:lo + rows, None]).squeeze(1)
-            torch.sum(chunk.exp_(), dim=-1, out=sums[0, lo:lo + rows])
-            del chunk
+            sums[0, lo:lo + rows], sums[1, lo:lo + rows] = kernels.exp_sum_and_target(
+                logits[lo:lo + rows], local[lo:lo + rows], row_max[lo:lo + rows])
         sums[1].masked_fill_(~mine, 0.0)
         if all_reduce is not None:
             all_reduce(sums, torch.distributed.ReduceOp.SUM)
@@ -65,7 +100,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         lse = sums[0].log_().add_(row_max)
         loss = (lse - row_max - sums[1]).masked_fill_(ignored, 0.0)
         ctx.save_for_backward(logits, local.masked_fill_(~mine, -1), ignored, lse)
-        ctx.consume = consume
+        ctx.consume, ctx.kernels = consume, kernels
         return loss
 
     @staticmethod
@@ -77,23 +112,22 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         mine = local >= 0
         for lo in range(0, logits.shape[0], rows):
             hi = min(lo + rows, logits.shape[0])
-            # An fp32 chunk of consumed fp32 logits is their storage: the softmax overwrites it.
-            chunk = logits[lo:hi].float() if ctx.consume else logits[lo:hi].to(torch.float32, copy=True)
-            chunk.sub_(lse[lo:hi, None]).exp_()
-            chunk.scatter_add_(1, local[lo:hi, None].clamp(min=0), -mine[lo:hi, None].float())
-            chunk.mul_(scale[lo:hi, None])
+            chunk = ctx.kernels.grad(logits[lo:hi], local[lo:hi], lse[lo:hi], scale[lo:hi], mine[lo:hi], ctx.consume)
             if chunk.data_ptr() != grad[lo:hi].data_ptr():
                 grad[lo:hi].copy_(chunk)
             del chunk
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, consume_logits: bool = False) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, consume_logits: bool = False,
+                   kernels: ChunkKernels | None = None) -> torch.Tensor:
     """Summed cross-entropy over target tokens (fp32), ignoring positions marked IGNORE_INDEX.
 
     `consume_logits=True` lets backward overwrite the logits with their gradient (the trainer's
-    path: it drops its reference right after the loss); never read them after backward then."""
-    return ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume_logits).sum()
+    path: it drops its reference right after the loss); never read them after backward then.
+    `kernels`: the chunk maths, eager by default (compiled ones: parallel/compile.py)."""
+    return ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume_logits,
+                                     0, None, kernels).sum()
 
 
 def consuming_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

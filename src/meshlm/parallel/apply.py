@@ -14,7 +14,9 @@ is what checkpoints, the layout-independent init and the Hugging Face exporter a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,12 +24,14 @@ from torch import nn
 from meshlm.comm import Comm
 from meshlm.config import Config
 from meshlm.model import Llama
-from meshlm.parallel.compile import apply_compile
+from meshlm.model.loss import token_loss_sum
+from meshlm.parallel.compile import apply_compile, compile_loss_kernels
 from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data_parallel import DataParallel, build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
 from meshlm.parallel.sharded_init import ShardedInit, materialize_buffers
 from meshlm.parallel.tensor import TensorParallel, apply_tensor_parallel
+from meshlm.parallel.vocab_parallel import VocabParallelLoss
 
 
 @dataclass
@@ -61,6 +65,16 @@ def build_local_model(cfg: Config, comm: Comm) -> LocalModel:
     else:
         init.materialize(model, comm.ctx.device)
     return LocalModel(model, tp, cp, init)
+
+
+def build_loss(cfg: Config, local: LocalModel, comm: Comm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The trainer's `loss_sum(logits, targets)` for this rank's logits: vocabulary-parallel under
+    TP, its chunk maths compiled under train.compile. It consumes the logits (their gradient is
+    written over them): nothing reads them after the loss."""
+    kernels = compile_loss_kernels(cfg.train.compile_backend) if cfg.train.compile else None
+    if local.tp is not None:
+        return VocabParallelLoss(local.tp.vocab, comm, kernels)
+    return functools.partial(token_loss_sum, consume_logits=True, kernels=kernels)
 
 
 def build_engine(local: LocalModel, cfg: Config, comm: Comm) -> DataParallel:

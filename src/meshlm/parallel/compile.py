@@ -1,5 +1,7 @@
 """Per-block compilation (train.compile): reduces each block's time by fusing its elementwise work
 (norms, RoPE, SwiGLU) into fewer kernels; costs compile time at start-up and at each recompile.
+The loss's chunk maths is compiled too (`compile_loss_kernels`, as torchtitan's compile.components
+= ["model", "loss"]).
 
 Each transformer block's forward is replaced on the instance by a `torch.compile`d one, as
 recompute does, after TP/SP, CP and recompute and before the PP split and the DP engine (the order
@@ -26,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target
 from meshlm.parallel.recompute import is_recomputed
 
 try:
@@ -48,11 +51,31 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     checkpoint stays outside, eager, and recomputes the compiled forward: compiled around it
     instead, a graph break inside the checkpoint (any collective under TP or CP) would leave dynamo
     nothing to compile in the whole block."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown compile backend {backend!r} (known: {', '.join(BACKENDS)})")
+    _check(backend)
     for block in model.layers:
         name = "forward_without_recompute" if is_recomputed(block) else "forward"
         setattr(block, name, _compiled(getattr(block, name), backend))
+
+
+def compile_loss_kernels(backend: str) -> ChunkKernels:
+    """The loss's chunk maths compiled (model/loss.py): a chunk's forward becomes one fused
+    reduction over the logits, its backward one kernel that reads them and writes their gradient
+    in their own dtype, where the eager functions make and re-read fp32 chunks. The gradient is
+    returned and copied into the logits' storage by the caller, never written into an input inside
+    the compiled code: with the logits consumed, that input and the destination would be one
+    storage, and torch 2.13's compile cache (AOTAutograd's "synthetic base" for aliased inputs) was
+    seen to hand such a graph to a later call whose inputs do not alias: wrong values, no error."""
+    _check(backend)
+
+    def grad_in_logits_dtype(chunk, local, lse, scale, mine, in_place):
+        return softmax_minus_target(chunk, local, lse, scale, mine, in_place=False).to(chunk.dtype)
+
+    return ChunkKernels(_compiled(exp_sum_and_target, backend), _compiled(grad_in_logits_dtype, backend))
+
+
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown compile backend {backend!r} (known: {', '.join(BACKENDS)})")
 
 
 def _compiled(forward: Callable, backend: str) -> Callable:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.comm import Comm
-from meshlm.model.loss import ChunkedCrossEntropy
+from meshlm.model.loss import ChunkedCrossEntropy, ChunkKernels
 from meshlm.parallel.tensor_layers import (TP, ParallelRegion, _ReduceFromTensorParallel, _ReduceScatterToSequence,
                                            mark_tp_sharded, shard_rows)
 
@@ -82,16 +82,17 @@ class VocabParallelHead(nn.Module):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
-                                 comm: Comm, consume: bool = False) -> torch.Tensor:
+                                 comm: Comm, consume: bool = False, kernels: ChunkKernels | None = None) -> torch.Tensor:
     """Per-token losses [..] (fp32; 0 where the target is IGNORE_INDEX) from logits [.., V/tp].
 
     The chunked loss of model/loss.py with the row maxima (all-reduce MAX) and the sums of
     exponentials and target logits (one all-reduce of a [2, N] tensor; the target's logit is held
     by exactly one rank) combined over the tp ranks. Backward needs no communication:
     d loss / d x_j = softmax_j - [j == target] from the saved logits and log-sum-exp.
-    `consume=True` writes the gradient over the logits (the caller never reads them again)."""
+    `consume=True` writes the gradient over the logits (the caller never reads them again);
+    `kernels` is the chunk maths (eager by default)."""
     flat = ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume, shard.start,
-                                     lambda t, op: comm.all_reduce(t, TP, op=op))
+                                     lambda t, op: comm.all_reduce(t, TP, op=op), kernels)
     return flat.view(targets.shape)
 
 
@@ -99,12 +100,14 @@ class VocabParallelLoss:
     """`loss_sum(logits, targets)`: the trainer's summed token loss, for vocab-sharded logits.
     Consumes the logits (their gradient is written over them): the trainer reads only the loss."""
 
-    def __init__(self, shard: VocabShard, comm: Comm):
+    def __init__(self, shard: VocabShard, comm: Comm, kernels: ChunkKernels | None = None):
         self.shard = shard
         self.comm = comm
+        self.kernels = kernels  # the chunk maths: eager (None) or compiled (parallel/compile.py)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.shard, self.comm, consume=True).sum()
+        return vocab_parallel_cross_entropy(logits, targets, self.shard, self.comm, consume=True,
+                                            kernels=self.kernels).sum()
 
 
 def gather_logits(local: torch.Tensor, shard: VocabShard, comm: Comm) -> torch.Tensor:
