@@ -205,7 +205,8 @@ def test_gradient_upcast_is_one_cast_per_run_of_adjacent_segments():
 
     flat = torch.randn(20).bfloat16()
     other = torch.randn(6).bfloat16()
-    grads = [flat[0:3], flat[3:7], flat[9:12], flat[12:13], flat[13:16], torch.randn(4), other[::2], other[1:3]]
+    grads = [flat[0:3], flat[3:7], flat[9:12], flat[12:13], flat[13:16], torch.randn(4), other[::2], other[1:3],
+             flat[18:20], flat[16:18]]  # adjacent, but in reverse order: no run
     dtypes = [torch.float32] * len(grads)
     out = upcast_runs(grads, dtypes)
     for g, o in zip(grads, out):
@@ -213,7 +214,25 @@ def test_gradient_upcast_is_one_cast_per_run_of_adjacent_segments():
     storage = [o.untyped_storage().data_ptr() for o in out]
     assert storage[0] == storage[1] != storage[2] == storage[3] == storage[4]  # a gap at 7:9 starts a new run
     assert out[5] is grads[5]  # already fp32: passed as is
-    assert len(set(storage)) == 5  # runs {0,1}, {2,3,4}, the fp32 one, the strided one, other's
+    assert len(set(storage)) == 7  # runs {0,1}, {2,3,4}, the fp32 one, the strided one, other's, 8 and 9
+
+
+def test_clip_scale_is_clip_grad_norm_s_factor_and_off_at_zero():
+    from meshlm.parallel.mixed_precision import clip_scale
+
+    assert clip_scale(torch.tensor(5.0), 0.0) is None  # train.grad_clip=0: no clipping
+    assert clip_scale(torch.tensor(0.5), 1.0).item() == 1.0  # below the bound: unchanged
+    # torch.nn.utils.clip_grad_norm_'s max_norm / (norm + 1e-6), visible at a small norm
+    assert clip_scale(torch.tensor(1e-3), 1e-4).item() == pytest.approx(1e-4 / (1e-3 + 1e-6), rel=1e-6)
+
+
+def test_segment_adamw_with_nothing_to_optimise_steps_as_a_no_op():
+    """A ZeRO rank whose shard holds only bucket padding has no segment at all."""
+    from meshlm.parallel.mixed_precision import SegmentAdamW
+
+    optim = SegmentAdamW([], TrainConfig())
+    optim.step(1e-3, None)
+    assert list(optim.state_tensors()) == []
 
 
 def test_storage_bytes_counts_each_storage_once_exactly():
