@@ -53,6 +53,17 @@ def softmax_minus_target(chunk: torch.Tensor, local: torch.Tensor, lse: torch.Te
     return g.mul_(scale[:, None])
 
 
+def softmax_minus_target_fused(chunk: torch.Tensor, local: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                               mine: torch.Tensor) -> torch.Tensor:
+    """`softmax_minus_target` for a compiler, in the logits' dtype: the same arithmetic written
+    pointwise, the target's one-hot from a comparison with the column index instead of a scatter,
+    so inductor makes it one kernel that reads the logits and writes their gradient (a scatter
+    splits it in two around an fp32 intermediate). Eagerly this would allocate [rows, V] masks."""
+    columns = torch.arange(chunk.shape[1], device=chunk.device)
+    target = ((columns[None, :] == local[:, None]) & mine[:, None]).float()
+    return ((chunk.float() - lse[:, None]).exp() - target).mul(scale[:, None]).to(chunk.dtype)
+
+
 class ChunkKernels(NamedTuple):
     """The per-chunk maths of ChunkedCrossEntropy: `exp_sum_and_target(chunk, local, row_max)` and
     `grad(chunk, local, lse, scale, mine, in_place)`, whose result backward copies into the

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target
+from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target_fused
 from meshlm.parallel.recompute import is_recomputed
 
 try:
@@ -68,7 +68,7 @@ def compile_loss_kernels(backend: str) -> ChunkKernels:
     _check(backend)
 
     def grad_in_logits_dtype(chunk, local, lse, scale, mine, in_place):
-        return softmax_minus_target(chunk, local, lse, scale, mine, in_place=False).to(chunk.dtype)
+        return softmax_minus_target_fused(chunk, local, lse, scale, mine)
 
     return ChunkKernels(_compiled(exp_sum_and_target, backend), _compiled(grad_in_logits_dtype, backend))
 
