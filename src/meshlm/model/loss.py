@@ -14,9 +14,10 @@ With `consume_logits`, backward writes the gradient into the logits' own storage
 trick in its vocab-parallel loss): the caller promises never to read the logits again.
 
 The per-chunk maths lives in two functions (`ChunkKernels`): run eagerly they allocate fp32 chunks
-and pass over them several times (~58 bytes of memory traffic per logit, forward and backward);
-compiled (train.compile, parallel/compile.py) each becomes one fused kernel that reads the logits
-once and writes their gradient once in the logits' dtype (~10 bytes per bf16 logit).
+and pass over them several times (~56 bytes of memory traffic per bf16 logit, forward and
+backward); compiled (train.compile, parallel/compile.py) each becomes one fused kernel that reads
+the logits and writes their gradient in the logits' dtype (~12 bytes, with the row maxima and the
+copy of the gradient into the logits' storage).
 """
 
 from __future__ import annotations
