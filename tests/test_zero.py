@@ -226,6 +226,15 @@ def test_clip_scale_is_clip_grad_norm_s_factor_and_off_at_zero():
     assert clip_scale(torch.tensor(1e-3), 1e-4).item() == pytest.approx(1e-4 / (1e-3 + 1e-6), rel=1e-6)
 
 
+def test_adamw_is_fused_on_cuda_and_per_tensor_on_cpu():
+    from meshlm.parallel.mixed_precision import SegmentAdamW, adamw_implementation
+
+    assert adamw_implementation(True) == {"foreach": False, "fused": True}
+    assert adamw_implementation(False) == {"foreach": False, "fused": None}  # as train/optim.py's reference
+    cpu = SegmentAdamW([], TrainConfig()).optimizer.defaults
+    assert (cpu["foreach"], cpu["fused"]) == (False, None)
+
+
 def test_segment_adamw_with_nothing_to_optimise_steps_as_a_no_op():
     """A ZeRO rank whose shard holds only bucket padding has no segment at all."""
     from meshlm.parallel.mixed_precision import SegmentAdamW
