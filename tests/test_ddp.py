@@ -50,6 +50,33 @@ def test_flat_layout_buckets_in_reverse_order_padded_and_sharded_exactly():
             assert all(covered[i] == 1 for s in b.slots for i in range(s.start, s.end)), (world, b)
 
 
+def test_segments_address_the_parameters_own_elements():
+    """flat[seg.lo:seg.hi] is param.view(-1)[seg.p_lo:seg.p_hi] (what checkpoints and ZeRO's
+    optimizer address), every segment non-empty, at shard boundaries that cut parameters."""
+    params = [(f"p{i}", nn.Parameter(torch.arange(k, dtype=torch.float32) + 100 * i)) for i, k in enumerate([5, 7, 4])]
+    layout = FlatLayout(params, bucket_bytes=4 * 100, align=3)  # one bucket of 16 elements, padded to 18
+    flat = torch.full((layout.numel,), -1.0)
+    for s in layout.slots:
+        flat[s.start: s.end] = s.param.detach()
+    for lo, hi in [(0, 18), (0, 6), (6, 12), (12, 18), (5, 5), (4, 13)]:
+        segments = layout.segments(lo, hi)
+        assert all(seg.hi > seg.lo for seg in segments)
+        assert sum(seg.hi - seg.lo for seg in segments) == max(0, min(hi, 16) - lo)
+        for seg in segments:
+            assert torch.equal(flat[seg.lo: seg.hi], seg.slot.param.detach().view(-1)[seg.p_lo: seg.p_hi])
+
+
+def test_bucket_sizes_round_up_to_the_alignment_exactly():
+    from meshlm.parallel.flat_buffer import round_up
+
+    assert [round_up(x, 4) for x in (1, 4, 5, 8, 9)] == [4, 4, 8, 8, 12]
+    params = [(f"p{i}", nn.Parameter(torch.zeros(k))) for i, k in enumerate([4, 4, 1, 1])]
+    layout = FlatLayout(params, bucket_bytes=4 * 8, align=4)  # a bucket of exactly 8 needs no padding
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 8), (8, 12)]
+    tiny = FlatLayout(params[2:], bucket_bytes=1, align=1)  # below one element: a bucket per parameter
+    assert [(b.start, b.end) for b in tiny.buckets] == [(0, 1), (1, 2)]
+
+
 def test_ready_tracker_launches_in_order_and_learns_unused_parameters():
     a, b, c, d = (nn.Parameter(torch.zeros(1)) for _ in range(4))
     launched = []

@@ -172,10 +172,6 @@ class ReadyTracker:
         self.ready = [set() for _ in self.members]
         self.next = 0
 
-    @property
-    def all_launched(self) -> bool:
-        return self.next == len(self.members)
-
     def mark(self, param: torch.Tensor) -> None:
         key = id(param)
         b = self.bucket_of[key]
