@@ -50,6 +50,9 @@ train)
     rm -rf "$OUT/train/final"  # the weights: too large to bring back, and not needed
     ;;
 gpu-125m)
+    # The loss alone first (seconds): eager chunks against train.compile's fused ones, at the 125m
+    # row's logits (8 x 1,024 rows x 32,000); RESULTS.md predicts ~4 ms a step saved on an H100.
+    python3 benchmarks/loss_kernels.py 8192 32000 bfloat16 inductor cuda
     meshlm bench gpu --presets 125m --seq 1024 --json > "$OUT/gpu-125m.json"; echo "rc=$?"
     cat "$OUT/gpu-125m.json" | python3 -c "import json,sys; [print(r['name'], round(r['tokens_per_s_ratio'],3), r['mfu']) for r in json.load(sys.stdin)['rows']]"
     ;;
