@@ -68,6 +68,11 @@ MODULES = {
     "mixed_precision": ("src/meshlm/parallel/mixed_precision.py", [
         "tests/test_zero.py", "tests/test_grad_norm.py", "tests/test_ddp.py",
         "-k", "not bench and not overlap and not bytes_on_the_wire and not tracker and not flat_layout"]),
+    # ZeRO-1/2 on the DDP reducer: every stage against one process and torch's DDP, the bytes each
+    # stage holds, and its peak memory against the formulas.
+    "zero": ("src/meshlm/parallel/zero.py", [
+        "tests/test_zero.py", "tests/test_ddp.py::test_equals_torch_distributed_data_parallel",
+        "tests/test_memory.py", "-k", "not bench and (zero or stage or every or equals or accumulation or bf16)"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
