@@ -82,7 +82,8 @@ class VocabParallelHead(nn.Module):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard,
-                                 comm: Comm, consume: bool = False, kernels: ChunkKernels | None = None) -> torch.Tensor:
+                                 comm: Comm, consume: bool = False,
+                                 kernels: ChunkKernels | None = None) -> torch.Tensor:
     """Per-token losses [..] (fp32; 0 where the target is IGNORE_INDEX) from logits [.., V/tp].
 
     The chunked loss of model/loss.py with the row maxima (all-reduce MAX) and the sums of
