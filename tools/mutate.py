@@ -68,6 +68,10 @@ MODULES = {
     "mixed_precision": ("src/meshlm/parallel/mixed_precision.py", [
         "tests/test_zero.py", "tests/test_grad_norm.py", "tests/test_ddp.py",
         "-k", "not bench and not overlap and not bytes_on_the_wire and not tracker and not flat_layout"]),
+    # DDP: against torch's DDP at worlds 1 and 2, overlap, no_sync, bytes on the wire, unused
+    # parameters, bf16; the trainer's accumulation at one rank (autograd's own gradients).
+    "ddp": ("src/meshlm/parallel/ddp.py", [
+        "tests/test_ddp.py", "tests/test_trainer.py::test_accumulation_equals_a_plain_pytorch_loop", "-k", "not bench"]),
     # ZeRO-1/2 on the DDP reducer: every stage against one process and torch's DDP, the bytes each
     # stage holds, and its peak memory against the formulas.
     "zero": ("src/meshlm/parallel/zero.py", [
