@@ -12,7 +12,7 @@ from meshlm.config import TrainConfig, load_config
 from meshlm.mesh import ParallelContext
 from meshlm.parallel.ddp import DDP
 from meshlm.parallel.flat_buffer import FlatLayout, ReadyTracker
-from meshlm.parallel.mixed_precision import BF16
+from meshlm.parallel.mixed_precision import BF16, FP32, storage_bytes
 from meshlm.parallel.zero import ZeroDataParallel
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
@@ -270,11 +270,19 @@ def _unused_steps(use_on_step):
     dp = DDP(model, comm_here(), TRAIN, bucket_bytes=16)
     x = torch.randn(4, 4) + dist.get_rank()
     grads = []
+    unused = model.unused.weight
     for step in range(3):
         model.use_extra = step == use_on_step
         dp.module(x).sum().backward()
+        if step > 0 and not dp.autograd_grads:  # known unused: its slot is zero before its bucket is sent
+            assert dp._grad_views[id(unused)].abs().sum() == 0
         dp.finish_backward()
+        # every .grad exists after finish_backward: the buffer's view or autograd's, zeros if unused
+        assert all(p.grad is not None for p in model.parameters())
+        assert step == use_on_step or unused.grad.abs().sum() == 0
         grads.append({k: v.clone() for k, v in dp.full_grads().items()})
+        assert step == 0 or dp.unused_parameters == first_unused  # decided by the first step, kept
+        first_unused = list(dp.unused_parameters)
         dp.clip_and_step(1e-3, 0.0)
         dp.zero_grad()
     return dp.unused_parameters, grads
@@ -296,6 +304,33 @@ def test_a_parameter_unused_on_step_one_then_used_is_a_clear_error():
         run_ranks(_unused_rank, 2, 1, timeout=60)
 
 
+def test_at_one_rank_a_parameter_may_join_later_and_step_one_decides_the_unused_list():
+    unused, grads = run_ranks(_unused_rank, 1, 1, timeout=60)[0]  # nothing to reduce: no error
+    assert sorted(unused) == ["unused.bias", "unused.weight"]
+    assert grads[1]["unused.weight"].abs().sum() > 0 and grads[2]["unused.weight"].abs().sum() == 0
+
+
+def _state_rank(precision):
+    model = debug_model()
+    dp = DDP(model, comm_here(), TRAIN, bucket_bytes=SMALL_BUCKETS, precision=precision)
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+    dp.finish_backward()
+    dp.clip_and_step(1e-3, 1.0)
+    held = list(dp.state_tensors())
+    return None in held, storage_bytes(held), sum(dp.model_state_bytes().values())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_state_tensors_are_what_model_state_bytes_counts(world_size, precision):
+    """What the memory tracker reads as model state (state_tensors) is what the engine accounts
+    for by kind: parameters, gradients (buffer or autograd's), masters, AdamW moments."""
+    for has_none, held, counted in run_ranks(_state_rank, world_size, BF16 if precision == "bf16" else FP32,
+                                             timeout=60):
+        assert not has_none and held == counted > 0
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 
@@ -307,9 +342,14 @@ def _bf16_rank():
     (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
     dp.finish_backward()
     param_dtypes = {p.dtype for p in model.parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     dp.clip_and_step(1e-3, 1.0)
     reduce_dtypes = {r.dtype for r in comm.recorder.records if r.op == "all_reduce" and r.numel > 1}
-    return param_dtypes, reduce_dtypes, dp.full_grads(), {v.dtype for v in dp.full_state_dict().values()}
+    masters = dp.full_state_dict()
+    # the bf16 parameters are the updated fp32 masters, rounded
+    assert all(torch.equal(p.detach(), masters[n].to(torch.bfloat16)) for n, p in model.named_parameters())
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    return param_dtypes, reduce_dtypes, dp.full_grads(), {v.dtype for v in masters.values()}
 
 
 def test_bf16_parameters_fp32_reduction_and_fp32_master():
