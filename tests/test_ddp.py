@@ -310,9 +310,11 @@ def test_at_one_rank_a_parameter_may_join_later_and_step_one_decides_the_unused_
     assert grads[1]["unused.weight"].abs().sum() > 0 and grads[2]["unused.weight"].abs().sum() == 0
 
 
-def _state_rank(precision):
+def _state_rank(kind, precision):
     model = debug_model()
-    dp = DDP(model, comm_here(), TRAIN, bucket_bytes=SMALL_BUCKETS, precision=precision)
+    comm = comm_here()
+    dp = (DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS, precision=precision) if kind == "ddp" else
+          ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), bucket_bytes=SMALL_BUCKETS, precision=precision))
     inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
     (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
     dp.finish_backward()
@@ -321,14 +323,42 @@ def _state_rank(precision):
     return None in held, storage_bytes(held), sum(dp.model_state_bytes().values())
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind,world_size", [("ddp", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_state_tensors_are_what_model_state_bytes_counts(world_size, precision):
+def test_state_tensors_are_what_model_state_bytes_counts(kind, world_size, precision):
     """What the memory tracker reads as model state (state_tensors) is what the engine accounts
-    for by kind: parameters, gradients (buffer or autograd's), masters, AdamW moments."""
-    for has_none, held, counted in run_ranks(_state_rank, world_size, BF16 if precision == "bf16" else FP32,
+    for by kind: parameters, gradients (buffer, shard or autograd's), masters, AdamW moments."""
+    for has_none, held, counted in run_ranks(_state_rank, world_size, kind, BF16 if precision == "bf16" else FP32,
                                              timeout=60):
         assert not has_none and held == counted > 0
+
+
+def _zero_bf16_rank(stage, bucket_bytes):
+    model = debug_model()
+    comm = comm_here()
+    dp = ZeroDataParallel(model, comm, TRAIN, stage=stage, bucket_bytes=bucket_bytes, precision=BF16)
+    for step in range(2):
+        inputs, targets, tokens = local_batch(step, dist.get_rank(), dist.get_world_size())
+        (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+        dp.finish_backward()
+        if step == 0:
+            grads = dp.full_grads()
+        dp.clip_and_step(1e-3, 0.0)  # no clipping: a norm summed over other segments rounds otherwise
+        dp.zero_grad()
+    dtypes = {r.dtype for r in comm.recorder.records if r.op == "reduce_scatter"}
+    return grads, dp.full_state_dict(), dtypes, len(dp.layout.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_bf16_reduces_in_fp32_and_its_bucket_size_changes_no_bit(stage):
+    """bf16 gradients are upcast and reduce-scattered in fp32 bucket by bucket; where the buckets
+    end changes no bit of the gradients or the weights after two steps (a sum of two ranks does
+    not depend on it, nor does AdamW's per-element update)."""
+    large = run_ranks(_zero_bf16_rank, 2, stage, 2**30, timeout=60)[0]
+    small = run_ranks(_zero_bf16_rank, 2, stage, 8 * 1024, timeout=60)[0]  # below stage 2's own cap
+    assert small[3] > large[3] and large[2] == small[2] == {torch.float32}
+    for a, b in ((large[0], small[0]), (large[1], small[1])):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --------------------------------------------------------------------------- mixed precision
