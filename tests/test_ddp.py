@@ -379,6 +379,8 @@ def _bf16_rank():
     # the bf16 parameters are the updated fp32 masters, rounded
     assert all(torch.equal(p.detach(), masters[n].to(torch.bfloat16)) for n, p in model.named_parameters())
     assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    # one AdamW step of lr 1e-3 from the masters the parameters started as (plus bf16 rounding)
+    assert all((p.detach().float() - before[n].float()).abs().max() <= 1e-2 for n, p in model.named_parameters())
     return param_dtypes, reduce_dtypes, dp.full_grads(), {v.dtype for v in masters.values()}
 
 
