@@ -2,7 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/loss_kernels.py [ROWS] [VOCAB] [DTYPE] [BACKEND] [DEVICE]
 
-(defaults 4096 32000 bfloat16 inductor cpu). Times `consuming_token_loss_sum` as the trainer calls it
+(defaults 4096 32000 bfloat16 inductor cpu). Times `token_loss_sum(consume_logits=True)` as the trainer calls it
 (logits consumed, gradient written over them), the two sides alternating, median of 9 after 2
 warm-up rounds, one thread on a CPU; prints both, their ratio and the largest gradient difference.
 """

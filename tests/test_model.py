@@ -280,16 +280,20 @@ def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consu
 
 
 def test_the_trainers_loss_writes_the_gradient_into_the_logits():
-    """consuming_token_loss_sum is the trainer's: no second [tokens, vocab] buffer in backward."""
-    from meshlm.model.loss import consuming_token_loss_sum
+    """The trainer's loss (build_loss, eager and compiled): no second [tokens, vocab] buffer in backward."""
+    from meshlm.config import load_config, resolve
+    from meshlm.parallel.apply import build_loss
 
-    logits = torch.randn(2, 3, 32, requires_grad=True)  # [batch, seq, vocab], as the model returns them
+    logits = torch.randn(2, 3, 32)  # [batch, seq, vocab], as the model returns them
     targets = torch.arange(6).view(2, 3)
-    expected = F.cross_entropy(logits.detach().view(6, 32), targets.view(6), reduction="sum")
-    loss = consuming_token_loss_sum(logits, targets)
-    assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
-    loss.backward()
-    assert logits.grad.data_ptr() == logits.data_ptr()
+    expected = F.cross_entropy(logits.view(6, 32), targets.view(6), reduction="sum")
+    for compiled in ("false", "true"):
+        cfg = resolve(load_config(None, [f"train.compile={compiled}", "train.compile_backend=aot_eager"]))
+        x = logits.clone().requires_grad_()
+        loss = build_loss(cfg, None, comm=None)(x, targets)
+        assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
+        loss.backward()
+        assert x.grad.data_ptr() == x.data_ptr(), compiled
 
 
 def test_a_chunk_holds_at_least_one_row_and_at_most_chunk_bytes():

@@ -57,7 +57,7 @@ class MeshlmEngine:
         self.comm = comm = Comm(ctx)
         self.device, self.train = ctx.device, cfg.train
         local = build_local_model(cfg, comm)
-        self.loss_sum = build_loss(cfg, local, comm)  # the trainer's: compiled chunks in the compile rows
+        self.loss_sum = build_loss(cfg, local.tp, comm)  # the trainer's: compiled chunks in the compile rows
         self.dp = build_engine(local, cfg, comm)
         self.first_loss = None  # the loss of the first step, from the initial weights
 

@@ -141,7 +141,3 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, consume_logits: 
     return ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), consume_logits,
                                      0, None, kernels).sum()
 
-
-def consuming_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The trainer's loss: token_loss_sum that reuses the logits' storage for their gradient."""
-    return token_loss_sum(logits, targets, consume_logits=True)

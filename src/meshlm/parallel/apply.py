@@ -67,13 +67,16 @@ def build_local_model(cfg: Config, comm: Comm) -> LocalModel:
     return LocalModel(model, tp, cp, init)
 
 
-def build_loss(cfg: Config, local: LocalModel, comm: Comm) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> summed token loss
+
+
+def build_loss(cfg: Config, tp: TensorParallel | None, comm: Comm) -> LossSum:
     """The trainer's `loss_sum(logits, targets)` for this rank's logits: vocabulary-parallel under
     TP, its chunk maths compiled under train.compile. It consumes the logits (their gradient is
     written over them): nothing reads them after the loss."""
     kernels = compile_loss_kernels(cfg.train.compile_backend) if cfg.train.compile else None
-    if local.tp is not None:
-        return VocabParallelLoss(local.tp.vocab, comm, kernels)
+    if tp is not None:
+        return VocabParallelLoss(tp.vocab, comm, kernels)
     return functools.partial(token_loss_sum, consume_logits=True, kernels=kernels)
 
 

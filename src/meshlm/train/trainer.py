@@ -28,7 +28,7 @@ from meshlm.debug.fingerprint import check as check_fingerprints
 from meshlm.debug.nonfinite import NonFiniteError, culprits, describe, locate
 from meshlm.debug.progress import Progress
 from meshlm.debug.stragglers import StragglerDetector
-from meshlm.model.loss import IGNORE_INDEX  # noqa: F401 (re-exported)
+from meshlm.model.loss import IGNORE_INDEX
 from meshlm.parallel.apply import build_engine, build_local_model, build_loss
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.data.blend import eval_sets, make_loader
@@ -65,7 +65,7 @@ class Trainer:
         # The model is built sharded, every technique applied in one fixed order (parallel/apply.py).
         local = build_local_model(cfg, self.comm)
         self.model, self.tp, self.cp = local.module, local.tp, local.cp
-        self.loss_sum = build_loss(cfg, local, self.comm)  # TP's under TP; compiled chunks under train.compile
+        self.loss_sum = build_loss(cfg, local.tp, self.comm)  # TP's under TP; compiled chunks under train.compile
         self.dp = build_engine(local, cfg, self.comm)
         self.pipeline = None  # parallel.pp > 1: runs each step's micro-batches by the schedule
         if cfg.parallel.pp > 1:
