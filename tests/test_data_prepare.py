@@ -199,7 +199,13 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
     a launcher; `main`: the process's own VmHWM; `workers`: the largest VmHWM the workers reported
     (meta.json). The code this replaced held ~51 bytes per byte of text: +7 GB here. Measured
     (2026-11-23): main +1.6 MB, workers +0 MB; from 6 to 200 MB main grew 8.6 MB (one shard's
-    lengths, not yet at their bound at 6 MB)."""
+    lengths, not yet at their bound at 6 MB).
+
+    Each size is prepared twice and the lower peak kept. The main process's peak varies by ~2.5 MB
+    from run to run at either size (Pool's handler threads pickle and unpickle chunks in their own
+    malloc arenas, as fast as the workers and the writer happen to run: 8 quiet and loaded runs,
+    2026-11-24, main 259.1-262.7 MB, a difference of up to +3.6 MB, and once +4.7 in the suite).
+    That noise only ever adds; memory held per byte of text is there in every run."""
     tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json")
     rng = np.random.default_rng(0)
     blocks = [" ".join(f"w{w}" + ("\n" if i % 10 == 9 else "") for i, w in enumerate(rng.integers(0, 200, 200_000)))
@@ -210,7 +216,8 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
         with open(corpus, "w") as f:
             for i in range(mb):
                 f.write(blocks[i % 3])
-        peaks[mb] = _peak_rss(corpus, tmp_path / f"cache{mb}", tokenizer)
+        runs = [_peak_rss(corpus, tmp_path / f"cache{mb}-{i}", tokenizer) for i in range(2)]
+        peaks[mb] = {key: min(run[key] for run in runs) for key in runs[0]}
     for process in ("main", "workers", "peak"):
         assert peaks[210][process] - peaks[70][process] < 4e6, (process, peaks)  # 140 MB more text
     assert peaks[210]["main"] - peaks[210]["imported"] < 100e6, peaks
