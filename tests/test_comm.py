@@ -163,6 +163,27 @@ def test_groups_of_one_rank_communicate_nothing_and_record_nothing():
     assert comm.summary() == [] and comm.recorder.dump() == []
 
 
+def _mismatched_dtypes_rank(n):
+    """Every rank passes an output of another dtype: refused alike on every rank, before any rank
+    communicates (NCCL refuses it; gloo, the shared-memory window and the one-rank copy cast)."""
+    comm = Comm(ParallelContext(Layout(dp=n)))
+    errors = []
+    for op, out, inp in (("all_gather", torch.empty(4 * n, dtype=torch.bfloat16), torch.ones(4)),
+                         ("reduce_scatter", torch.empty(4), torch.ones(4 * n, dtype=torch.bfloat16)),
+                         ("all_to_all", torch.empty(2 * n, dtype=torch.float64), torch.ones(2 * n))):
+        with pytest.raises(ValueError, match=rf"{op} over dp: output is torch\.\w+, input torch\.\w+") as caught:
+            getattr(comm, op)(out, inp, "dp")
+        errors.append(str(caught.value))
+    return errors, comm.summary()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_collectives_refuse_an_output_of_another_dtype_on_every_backend(n):
+    for errors, summary in run_ranks(_mismatched_dtypes_rank, n, n, timeout=60):
+        assert errors[0] == "all_gather over dp: output is torch.bfloat16, input torch.float32 (must be the same)"
+        assert summary == []
+
+
 # --------------------------------------------------------------------------- traced collectives (n ranks)
 
 

@@ -77,6 +77,23 @@ MODULES = {
     "zero": ("src/meshlm/parallel/zero.py", [
         "tests/test_zero.py", "tests/test_ddp.py", "tests/test_memory.py",
         "-k", "not bench and (zero or stage or every or equals or accumulation or bf16 or state_tensors)"]),
+    # FSDP/ZeRO-3: against torch's fully_shard (with and without reshard_after_forward), one process
+    # (worlds 2 and 4, accumulation, bf16, recompute, any module), bytes on the wire, model state
+    # and peak memory against the formulas, clipping that binds.
+    "fsdp": ("src/meshlm/parallel/fsdp.py", [
+        "tests/test_fsdp.py", "tests/test_zero.py", "tests/test_memory.py", "tests/test_grad_norm.py",
+        "-k", "not loss_curve and (fsdp or fully_shard or checkpointing or wire or size_policy or stage or "
+              "accumulation or bf16 or state_bytes or zero or grad_norm)"]),
+    # TP/SP layers: against DTensor's parallelize_module and one process (tp 2 and 4, replicated KV
+    # heads, sequence parallel), bytes against the formulas, activation memory per layer.
+    "tensor_layers": ("src/meshlm/parallel/tensor_layers.py", [
+        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py", "-k", "not loss_curve"]),
+    # The TP plan and its application (GQA kv-head replication, SP norms, the comm formulas).
+    "tensor": ("src/meshlm/parallel/tensor.py", [
+        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py", "-k", "not loss_curve"]),
+    # Ring attention: against full causal attention (GQA, fused and not), the load-balanced layout,
+    # a CP run against one process, ring bytes against the formula.
+    "context": ("src/meshlm/parallel/context.py", ["tests/test_context_parallel.py", "-k", "not loss_curve"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [

@@ -104,6 +104,14 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _same_dtype(op: str, label: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """NCCL refuses an output of another dtype than the input; gloo's paths, the shared-memory
+    window and the one-rank copy would cast silently. Checked on every backend, so a CPU test
+    fails where the GPU run would."""
+    if output.dtype != input.dtype:
+        raise ValueError(f"{op} over {label}: output is {output.dtype}, input {input.dtype} (must be the same)")
+
+
 def _copy_if_distinct(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.data_ptr() != src.data_ptr():
         dst.copy_(src.reshape(dst.shape))
@@ -209,6 +217,7 @@ class Comm:
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather over {label} (n={n}): output has {output.numel()} elements, "
                              f"expected {n} x {input.numel()}")
+        _same_dtype("all_gather", label, output, input)
         if n == 1:
             _copy_if_distinct(output, input)
             return _DONE if async_op else None
@@ -237,6 +246,7 @@ class Comm:
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter over {label} (n={n}): input has {input.numel()} elements, "
                              f"expected {n} x {output.numel()}")
+        _same_dtype("reduce_scatter", label, output, input)
         if n == 1:
             _copy_if_distinct(output, input)
             return _DONE if async_op else None
@@ -263,6 +273,7 @@ class Comm:
         """Rank i's j-th slice (dim 0) goes to rank j's i-th slice; equal slices unless split sizes given."""
         label, group, ranks, me = self._group(axis)
         n = len(ranks)
+        _same_dtype("all_to_all", label, output, input)
         if n == 1:
             _copy_if_distinct(output, input)
             return _DONE if async_op else None
