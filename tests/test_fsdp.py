@@ -164,3 +164,160 @@ def test_meshlm_train_zero3_on_two_ranks_follows_the_single_process_loss_curve(c
     assert [r["eval_loss"] for r in sharded if "eval_loss" in r] == pytest.approx(
         [r["eval_loss"] for r in single if "eval_loss" in r], abs=1e-5)
     assert (tmp_path / "two" / "final" / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- what stays unsharded, and when
+
+
+def _llama(**overrides):
+    from meshlm.config import resolve
+    from meshlm.model import Llama, init_weights
+
+    args = ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1",
+            *(f"model.{k}={v}" for k, v in overrides.items())]
+    model = Llama(resolve(load_config(None, args)).model)
+    init_weights(model, 7)
+    return model
+
+
+def _root_after_forward_rank(tie):
+    """The root unit's storage after a training forward, and whether saved-tensor hooks were
+    active while a block ran (they would override a user's own, e.g. activation offloading)."""
+    model = _llama(tie_embeddings=str(tie).lower())
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock))
+    hooks_in_blocks = []
+    model.layers[0].register_forward_pre_hook(
+        lambda *_: hooks_in_blocks.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    loss = token_loss_sum(fsdp.module(inputs), targets) / tokens
+    root = fsdp.root
+    after_forward = root.full.untyped_storage().nbytes() // root.itemsize
+    slots = {s.name: (s.start, s.end) for s in root.slots}
+    loss.backward()
+    return after_forward, root.tail, root.padded, slots, hooks_in_blocks
+
+
+def test_the_root_cuts_off_an_untied_embedding_after_forward_and_keeps_a_tied_one():
+    """Untied: the embedding's weight is laid out last in the root's buffer and cut off after
+    forward (its backward needs only the indices), so the loss and the head's backward run
+    without it; everything before it (the head's weight, which the head's backward reads: it
+    ends exactly where the tail starts) stays. Tied: nothing is cut, and no saved-tensor hooks
+    are left installed for nothing."""
+    for after_forward, tail, padded, slots, hooks_in_blocks in run_ranks(_root_after_forward_rank, 2, False):
+        assert tail == slots["tok_embeddings.weight"][0] == max(start for start, _ in slots.values())
+        assert slots["output.weight"][1] == tail  # the head's weight ends where the tail starts
+        assert after_forward == tail < padded
+        assert hooks_in_blocks == [True]  # watching what the forward saves, until the root's forward ends
+    for after_forward, tail, padded, slots, hooks_in_blocks in run_ranks(_root_after_forward_rank, 2, True):
+        assert "output.weight" not in slots and tail == padded  # one Parameter; 32,832 elements, even
+        assert after_forward == padded
+        assert hooks_in_blocks == [False]
+
+
+class FunctionalTie(nn.Module):
+    """An embedding whose weight the forward also uses outside the embedding, through the
+    functional API: it is the root's tail (one owning module), but the forward saves it for
+    backward. `use`: "head" (after the blocks, as the output projection) or "scale" (before the
+    first block only, as a learned scale: the root's own forward saves it)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.embedding = nn.Embedding(40, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 40, bias=False) if use == "scale" else None
+
+    def forward(self, ids):
+        h = self.embedding(ids)
+        if self.use == "scale":
+            h = h * self.embedding.weight.abs().mean()
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h) if self.head is not None else h @ self.embedding.weight.t()
+
+
+def _functional_tie_rank(sharded, use):
+    torch.manual_seed(0)
+    model = FunctionalTie(use)
+    ids = torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(1))
+    if not sharded:
+        optimizer = build_optimizer(model, TRAIN)
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum").backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, None
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_size(400))  # blocks 416, embedding 320, head 320
+    rank, n = dist.get_rank(), dist.get_world_size()
+    kept = []
+    for _ in range(3):
+        mine = ids[rank * 4 // n: (rank + 1) * 4 // n]
+        logits = fsdp.module(mine)
+        kept.append(fsdp.root.full.untyped_storage().nbytes() // fsdp.root.itemsize)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine.flatten(), reduction="sum").backward()
+        fsdp.finish_backward()
+        fsdp.clip_and_step(TRAIN.lr, 0.0)
+        fsdp.zero_grad()
+    return fsdp.full_state_dict(), (kept, fsdp.root.padded, fsdp.root.tail)
+
+
+@pytest.mark.parametrize("use", ["head", "scale"])
+def test_an_embedding_weight_the_forward_saves_is_kept_and_the_result_equals_one_process(use):
+    reference, _ = run_ranks(_functional_tie_rank, 1, False, use)[0]
+    for params, (kept, padded, tail) in run_ranks(_functional_tie_rank, 2, True, use, timeout=60):
+        assert tail == (320 if use == "scale" else 0)  # the root's buffer: [head,] embedding
+        assert kept == [padded] * 3  # the tail stays: the forward saved it
+        for name, p in reference.items():
+            assert (params[name] - p).abs().max() <= 1e-5, name
+
+
+def _gather_order_rank(prefetch, forward_prefetch):
+    """The order of the unit all-gathers launched, between the forward pre-hooks and the
+    backward pre-hooks (the output-gradient hooks) that trigger them."""
+    model = _llama(n_layers=3)
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock),
+                                    prefetch=prefetch, forward_prefetch=forward_prefetch)
+    events = []
+    gather, pre_forward, pre_backward = comm.all_gather, fsdp._pre_forward, fsdp._pre_backward
+
+    def all_gather(out, *args, **kwargs):
+        events.append(("gather", next(u.index for u in fsdp.units if u.full is out)))
+        return gather(out, *args, **kwargs)
+
+    def wrap(kind, hook):
+        def recorded(unit):
+            events.append((kind, unit.index))
+            return hook(unit)  # None: a forward pre-hook's value would replace the inputs
+        return recorded
+
+    comm.all_gather = all_gather
+    fsdp._pre_forward, fsdp._pre_backward = wrap("forward", pre_forward), wrap("backward", pre_backward)
+    for step in range(2):
+        inputs, targets, tokens = local_batch(step, dist.get_rank(), dist.get_world_size())
+        (token_loss_sum(fsdp.module(inputs), targets) / tokens).backward()
+        fsdp.finish_backward()
+        fsdp.clip_and_step(TRAIN.lr, 1.0)
+        fsdp.zero_grad()
+    return events, [u.name for u in fsdp.units]
+
+
+@pytest.mark.parametrize("prefetch, forward_prefetch", [(True, False), (False, False), (True, True)])
+def test_each_unit_is_gathered_once_the_unit_before_it_starts(prefetch, forward_prefetch):
+    """Units 0 (root) .. 3 (layers.2). Forward gathers each unit at its pre-hook, or, with
+    forward_prefetch, the next one too as soon as a unit starts. Backward: the root stays
+    gathered; each block is gathered when the block after it starts its backward (prefetch), or
+    at its own backward's start."""
+    forward = ([("forward", 0), ("gather", 0), ("gather", 1), ("forward", 1), ("gather", 2), ("forward", 2),
+                ("gather", 3), ("forward", 3)] if forward_prefetch else
+               [("forward", 0), ("gather", 0), ("forward", 1), ("gather", 1), ("forward", 2), ("gather", 2),
+                ("forward", 3), ("gather", 3)])
+    backward = ([("backward", 0), ("gather", 3), ("backward", 3), ("gather", 2), ("backward", 2), ("gather", 1),
+                 ("backward", 1)] if prefetch else
+                [("backward", 0), ("backward", 3), ("gather", 3), ("backward", 2), ("gather", 2), ("backward", 1),
+                 ("gather", 1)])
+    for events, names in run_ranks(_gather_order_rank, 2, prefetch, forward_prefetch, timeout=60):
+        assert names == ["<root>", "layers.0", "layers.1", "layers.2"]
+        assert events == (forward + backward) * 2
