@@ -216,22 +216,30 @@ def test_the_root_cuts_off_an_untied_embedding_after_forward_and_keeps_a_tied_on
 
 
 class FunctionalTie(nn.Module):
-    """An embedding whose weight the forward also uses outside the embedding, through the
-    functional API: it is the root's tail (one owning module), but the forward saves it for
-    backward. `use`: "head" (after the blocks, as the output projection) or "scale" (before the
-    first block only, as a learned scale: the root's own forward saves it)."""
+    """An embedding whose weight the forward may also use outside the embedding, through the
+    functional API: it is the root's tail (one owning module), but then the forward saves it
+    for backward. `use`: "head" (after the blocks, as the output projection), "scale" (before the
+    first block only, the tail's first element alone as a learned scale: the root's own forward
+    saves it). Or the weight is not reused, and the root's forward saves tensors without a
+    plain storage, which the check must pass over: "jagged" (a nested tensor of variable-length
+    rows, as for packed sequences) or "sparse" (a sparse matrix)."""
 
     def __init__(self, use):
         super().__init__()
         self.use = use
         self.embedding = nn.Embedding(40, 8)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8)) for _ in range(2))
-        self.head = nn.Linear(8, 40, bias=False) if use == "scale" else None
+        self.head = nn.Linear(8, 40, bias=False) if use != "head" else None
 
     def forward(self, ids):
         h = self.embedding(ids)
         if self.use == "scale":
-            h = h * self.embedding.weight.abs().mean()
+            h = h * (1 + self.embedding.weight[0, 0].abs())
+        elif self.use == "jagged":
+            h = torch.stack(torch.nested.as_nested_tensor(list(h), layout=torch.jagged).sin().unbind())
+        elif self.use == "sparse":
+            mix = torch.eye(h.shape[1]).roll(1, 0).add(torch.eye(h.shape[1])).to_sparse()
+            h = torch.stack([torch.sparse.mm(mix, row) for row in h])
         for block in self.blocks:
             h = h + block(h)
         return self.head(h) if self.head is not None else h @ self.embedding.weight.t()
@@ -263,12 +271,13 @@ def _functional_tie_rank(sharded, use):
     return fsdp.full_state_dict(), (kept, fsdp.root.padded, fsdp.root.tail)
 
 
-@pytest.mark.parametrize("use", ["head", "scale"])
+@pytest.mark.parametrize("use", ["head", "scale", "jagged", "sparse"])
 def test_an_embedding_weight_the_forward_saves_is_kept_and_the_result_equals_one_process(use):
     reference, _ = run_ranks(_functional_tie_rank, 1, False, use)[0]
     for params, (kept, padded, tail) in run_ranks(_functional_tie_rank, 2, True, use, timeout=60):
-        assert tail == (320 if use == "scale" else 0)  # the root's buffer: [head,] embedding
-        assert kept == [padded] * 3  # the tail stays: the forward saved it
+        assert tail == (0 if use == "head" else 320)  # the root's buffer: [head,] embedding
+        # The tail stays where the forward saved it, else it is cut off after every forward.
+        assert kept == [padded if use in ("head", "scale") else tail] * 3
         for name, p in reference.items():
             assert (params[name] - p).abs().max() <= 1e-5, name
 
