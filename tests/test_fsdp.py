@@ -294,6 +294,7 @@ def _gather_order_rank(prefetch, forward_prefetch):
 
     def all_gather(out, *args, **kwargs):
         events.append(("gather", next(u.index for u in fsdp.units if u.full is out)))
+        assert kwargs["async_op"]  # launched, waited only where needed: a prefetch overlaps compute
         return gather(out, *args, **kwargs)
 
     def wrap(kind, hook):
@@ -330,3 +331,28 @@ def test_each_unit_is_gathered_once_the_unit_before_it_starts(prefetch, forward_
     for events, names in run_ranks(_gather_order_rank, 2, prefetch, forward_prefetch, timeout=60):
         assert names == ["<root>", "layers.0", "layers.1", "layers.2"]
         assert events == (forward + backward) * 2
+
+
+def _evaluation_rank():
+    model = _llama()
+    inputs, _, _ = local_batch(0, dist.get_rank(), dist.get_world_size())
+    with torch.no_grad():
+        reference = model(inputs)
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock))
+    gathered = []
+    for block in model.layers:
+        block.register_forward_pre_hook(lambda *_: gathered.append(  # after FSDP's own pre-hook
+            [u.index for u in fsdp.units if u.full.untyped_storage().nbytes() > 0]))
+    with torch.no_grad():
+        logits = fsdp.module(inputs)
+    left = [u.index for u in fsdp.units if u.full.untyped_storage().nbytes() > 0]
+    return (logits - reference).abs().max().item(), gathered, left
+
+
+def test_an_evaluation_forward_equals_one_process_and_frees_each_block_after_it():
+    """No backward follows: each block is freed after its forward, the root (embedding, final
+    norm, head) when the whole forward ends."""
+    for error, gathered, left in run_ranks(_evaluation_rank, 2):
+        assert error <= 1e-6
+        assert gathered == [[0, 1], [0, 2]] and left == []
