@@ -10,8 +10,10 @@ from torch import nn
 from meshlm.comm import Comm
 from meshlm.config import TrainConfig, load_config
 from meshlm.mesh import ParallelContext
+from meshlm.model.llama import TransformerBlock
 from meshlm.parallel.ddp import DDP
 from meshlm.parallel.flat_buffer import FlatLayout, ReadyTracker
+from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class
 from meshlm.parallel.mixed_precision import BF16, FP32, storage_bytes
 from meshlm.parallel.zero import ZeroDataParallel
 from meshlm.testing import run_ranks
@@ -313,8 +315,12 @@ def test_at_one_rank_a_parameter_may_join_later_and_step_one_decides_the_unused_
 def _state_rank(kind, precision):
     model = debug_model()
     comm = comm_here()
-    dp = (DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS, precision=precision) if kind == "ddp" else
-          ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), bucket_bytes=SMALL_BUCKETS, precision=precision))
+    if kind == "zero3":
+        dp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock), precision=precision)
+    else:
+        dp = (DDP(model, comm, TRAIN, bucket_bytes=SMALL_BUCKETS, precision=precision) if kind == "ddp" else
+              ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), bucket_bytes=SMALL_BUCKETS,
+                               precision=precision))
     inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
     (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
     dp.finish_backward()
@@ -323,7 +329,7 @@ def _state_rank(kind, precision):
     return None in held, storage_bytes(held), sum(dp.model_state_bytes().values())
 
 
-@pytest.mark.parametrize("kind,world_size", [("ddp", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2)])
+@pytest.mark.parametrize("kind,world_size", [("ddp", 1), ("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_state_tensors_are_what_model_state_bytes_counts(kind, world_size, precision):
     """What the memory tracker reads as model state (state_tensors) is what the engine accounts

@@ -289,7 +289,7 @@ def _gather_order_rank(prefetch, forward_prefetch):
     comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock),
                                     prefetch=prefetch, forward_prefetch=forward_prefetch)
-    events = []
+    events, in_flight = [], []
     gather, pre_forward, pre_backward = comm.all_gather, fsdp._pre_forward, fsdp._pre_backward
 
     def all_gather(out, *args, **kwargs):
@@ -300,7 +300,9 @@ def _gather_order_rank(prefetch, forward_prefetch):
     def wrap(kind, hook):
         def recorded(unit):
             events.append((kind, unit.index))
-            return hook(unit)  # None: a forward pre-hook's value would replace the inputs
+            hook(unit)
+            in_flight.append((kind, unit.index, [u.index for u in fsdp.units if u.handle is not None]))
+            # None: a forward pre-hook's value would replace the inputs
         return recorded
 
     comm.all_gather = all_gather
@@ -311,7 +313,7 @@ def _gather_order_rank(prefetch, forward_prefetch):
         fsdp.finish_backward()
         fsdp.clip_and_step(TRAIN.lr, 1.0)
         fsdp.zero_grad()
-    return events, [u.name for u in fsdp.units]
+    return events, in_flight, [u.name for u in fsdp.units]
 
 
 @pytest.mark.parametrize("prefetch, forward_prefetch", [(True, False), (False, False), (True, True)])
@@ -328,9 +330,13 @@ def test_each_unit_is_gathered_once_the_unit_before_it_starts(prefetch, forward_
                  ("backward", 1)] if prefetch else
                 [("backward", 0), ("backward", 3), ("gather", 3), ("backward", 2), ("gather", 2), ("backward", 1),
                  ("gather", 1)])
-    for events, names in run_ranks(_gather_order_rank, 2, prefetch, forward_prefetch, timeout=60):
+    # After each hook: the prefetch it launched is still in flight (waited only by its own unit).
+    forward_in_flight = [("forward", u, [u + 1] if forward_prefetch and u < 3 else []) for u in range(4)]
+    backward_in_flight = [("backward", u, [{0: 3, 3: 2, 2: 1}[u]] if prefetch and u != 1 else []) for u in (0, 3, 2, 1)]
+    for events, in_flight, names in run_ranks(_gather_order_rank, 2, prefetch, forward_prefetch, timeout=60):
         assert names == ["<root>", "layers.0", "layers.1", "layers.2"]
         assert events == (forward + backward) * 2
+        assert in_flight == (forward_in_flight + backward_in_flight) * 2
 
 
 def _evaluation_rank():
@@ -356,3 +362,66 @@ def test_an_evaluation_forward_equals_one_process_and_frees_each_block_after_it(
     for error, gathered, left in run_ranks(_evaluation_rank, 2):
         assert error <= 1e-6
         assert gathered == [[0, 1], [0, 2]] and left == []
+
+
+def _all_in_units_rank(sharded):
+    """nn.Sequential(Linear, GELU, Linear) with every Linear a unit: the root holds nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    if not sharded:
+        optimizer = build_optimizer(model, TRAIN)
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}, model(x), None
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(nn.Linear))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for _ in range(3):
+        fsdp.module(x[rank * 8 // n: (rank + 1) * 8 // n]).pow(2).sum().backward()
+        fsdp.finish_backward()
+        fsdp.clip_and_step(TRAIN.lr, 0.0)
+        fsdp.zero_grad()
+    with torch.no_grad():
+        evaluated = fsdp.module(x)
+    left = [u.name for u in fsdp.units if u.full.untyped_storage().nbytes() > 0]
+    return fsdp.full_state_dict(), evaluated, ([u.name for u in fsdp.units], fsdp.root, left)
+
+
+def test_a_module_whose_parameters_all_sit_in_units_equals_one_process():
+    reference, logits, _ = run_ranks(_all_in_units_rank, 1, False)[0]
+    for params, evaluated, (units, root, left) in run_ranks(_all_in_units_rank, 2, True, timeout=60):
+        assert units == ["0", "2"] and root is None and left == []  # evaluation freed both
+        for name, p in reference.items():
+            assert (params[name] - p).abs().max() <= 1e-5, name
+        assert (evaluated - logits).abs().max() <= 1e-5
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_rank():
+    torch.manual_seed(0)
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(WithUnused(), comm, TRAIN, policy=by_class(nn.Linear))
+    seen = []
+    for _ in range(2):
+        fsdp.module(torch.ones(2, 4)).sum().backward()
+        seen.append(list(fsdp.unused_parameters))
+        fsdp.clip_and_step(TRAIN.lr, 0.0)
+        fsdp.zero_grad()
+    return seen
+
+
+def test_parameters_unused_on_the_first_step_are_named():
+    for seen in run_ranks(_unused_rank, 2):
+        assert seen == [["unused.weight", "unused.bias"]] * 2
