@@ -194,3 +194,18 @@ def test_background_save_holds_the_state_of_its_step(corpus, tmp_path, layout):
     straight = results[0][0]
     rest = segment(corpus, tmp_path / "again", layout, UNTIED, start=tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}")
     assert straight[SAVE_AT:] == rest
+
+
+@pytest.mark.parametrize("flags, on_parameter_device", [({"fused": True}, True), ({"capturable": True}, True),
+                                                        ({"fused": None, "capturable": False}, False)])
+def test_resumed_adamw_step_lives_where_torchs_kernels_read_it(flags, on_parameter_device):
+    """The fused (CUDA) and capturable kernels read `step` on the parameter's device; the others
+    on the CPU. A meta-device master stands in for a GPU one on this machine."""
+    from meshlm.train.checkpoint.state import _new_adam_state
+
+    state = _new_adam_state(torch.empty(6, device="meta"), 12, flags)
+    assert state["step"].device.type == ("meta" if on_parameter_device else "cpu")
+    assert state["step"].dtype == torch.float32 and state["step"].shape == ()
+    assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+    if not on_parameter_device:
+        assert state["step"].item() == 12.0

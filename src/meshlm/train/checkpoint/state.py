@@ -228,10 +228,15 @@ def wait_for_save(trainer, barrier: bool = True) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def _new_adam_state(master: torch.Tensor, step: int) -> dict:
+def _new_adam_state(master: torch.Tensor, step: int, group: dict) -> dict:
+    """AdamW's state for `master` as torch's own `_init_group` would make it: `step` lives on the
+    parameter's device under the fused (CUDA) or capturable kernels, which read it there, and on
+    the CPU otherwise."""
     from torch.optim.optimizer import _get_scalar_dtype
 
-    return {"step": torch.tensor(float(step), dtype=_get_scalar_dtype()),
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return {"step": torch.tensor(float(step), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                                 device=master.device if on_device else "cpu"),
             "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
 
@@ -242,12 +247,13 @@ def load_weights(trainer, reader, optimizer_state: bool) -> None:
     engine rebuild what derives from them (bf16 copies, other ranks' ZeRO slices)."""
     step = reader.meta["step"] if optimizer_state else 0  # AdamW steps once per training step
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer_state else {}
     for seg, _placement, pieces in owned_pieces(trainer):
         for piece in pieces:
             reader.read("model", piece.name, piece.rect, piece.view(seg.master))
         if not optimizer_state:
             continue
-        state = optimizer.state[seg.master] = _new_adam_state(seg.master, step)
+        state = optimizer.state[seg.master] = _new_adam_state(seg.master, step, group_of[id(seg.master)])
         for kind in OPTIMIZER_KINDS:
             for piece in pieces:
                 reader.read(kind, piece.name, piece.rect, piece.view(state[kind]))
