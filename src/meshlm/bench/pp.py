@@ -160,14 +160,14 @@ def _bench_rank(a: dict) -> list[dict]:
                 losses[name].append(step(i))
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                # On the run's device: NCCL reduces only device tensors.
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 if i >= a["warmup"]:
                     times[name].append(elapsed.item())
         # Same weights, same batches, same schedule: the two must compute the same losses.
-        diff = torch.tensor([max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"]))],
-                            dtype=torch.float64)
-        peak = torch.tensor([float(peaks["meshlm"]), float(peaks["torch"]), diff.item()], dtype=torch.float64)
+        diff = max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"]))
+        peak = torch.tensor([float(peaks["meshlm"]), float(peaks["torch"]), diff], dtype=torch.float64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         tokens_per_step = a["batch"] * a["seq_len"]
         rows.append(bench_row(

@@ -350,13 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     notes += [f"tp skipped at W={w}: {why}" for w, why in skips.items()]
     over = oversubscription_note(opts.worlds, cores)
     notes += [over] if over else []
-    if opts.plot:
-        title = (f"meshlm bench scaling, {opts.mode} ({opts.preset}, "
-                 + (f"{opts.batch} x {opts.seq} tokens per rank" if opts.mode == "weak"
-                    else f"{opts.global_batch} x {opts.seq} tokens per step") + f", {cores} CPU cores)")
-        from meshlm.bench.scaling_plot import plot
-
-        plot(rows, opts.plot, cores, title)
     extra = dict(bench="scaling", mode=opts.mode, preset=opts.preset, seq_len=opts.seq,
                  batch_per_rank=opts.batch if opts.mode == "weak" else None,
                  global_batch=opts.global_batch if opts.mode == "strong" else None, cpu_count=cores,
@@ -371,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         load = extra["load_average"]
         print(f"note: load average {' '.join(f'{v:.2f}' for v in load) if load else 'n/a'}, CPU steal "
               f"{'n/a' if steal is None else f'{100 * steal:.1f}%'}")
+    if opts.plot:  # last: a plotting failure must not lose the measurements printed above
+        title = (f"meshlm bench scaling, {opts.mode} ({opts.preset}, "
+                 + (f"{opts.batch} x {opts.seq} tokens per rank" if opts.mode == "weak"
+                    else f"{opts.global_batch} x {opts.seq} tokens per step") + f", {cores} CPU cores)")
+        from meshlm.bench.scaling_plot import plot
+
+        plot(rows, opts.plot, cores, title)
     return 0
 
 

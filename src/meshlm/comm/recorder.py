@@ -164,7 +164,9 @@ class FlightRecorder:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per (op, axis): count, bytes (sum of message sizes S), bytes sent/received by this rank,
-        time, algbw = bytes/time and busbw = algbw * bus_factor(op, group size), in bytes/s."""
+        time, algbw = bytes/time and busbw = algbw * bus_factor(op, group size), in bytes/s. An
+        async op's time runs from its issue to the end of its wait, overlapped compute included:
+        its bandwidths are lower bounds (docs/communication.md)."""
         self._resolve()
         rows = []
         for (op, axis), (n, count, nbytes, sent, recv, seconds) in sorted(self._totals.items()):
