@@ -79,9 +79,11 @@ MODULES = {
         "-k", "not bench and (zero or stage or every or equals or accumulation or bf16 or state_tensors)"]),
     # FSDP/ZeRO-3: against torch's fully_shard (with and without reshard_after_forward), one process
     # (worlds 2 and 4, accumulation, bf16, recompute, any module), bytes on the wire, model state
-    # and peak memory against the formulas, clipping that binds.
+    # and peak memory against the formulas, clipping that binds; the memory schedule (what is
+    # gathered when, the embedding cut off after forward, prefetches in flight).
     "fsdp": ("src/meshlm/parallel/fsdp.py", [
-        "tests/test_fsdp.py", "tests/test_zero.py", "tests/test_memory.py", "tests/test_grad_norm.py",
+        "tests/test_fsdp.py", "tests/test_fsdp_schedule.py", "tests/test_zero.py", "tests/test_memory.py",
+        "tests/test_grad_norm.py", "tests/test_ddp.py::test_state_tensors_are_what_model_state_bytes_counts",
         "-k", "not loss_curve and (fsdp or fully_shard or checkpointing or wire or size_policy or stage or "
               "accumulation or bf16 or state_bytes or zero or grad_norm)"]),
     # TP/SP layers: against DTensor's parallelize_module and one process (tp 2 and 4, replicated KV
