@@ -142,13 +142,14 @@ def _tower_rank(sharded):
         fsdp.finish_backward()
         fsdp.clip_and_step(TRAIN.lr, 0.0)
         fsdp.zero_grad()
-    return fsdp.full_state_dict(), [u.name for u in fsdp.units]
+    return fsdp.full_state_dict(), ([u.name for u in fsdp.units], fsdp.root.tail)
 
 
 def test_any_module_with_a_size_policy_equals_the_single_process_reference():
     reference, _ = run_ranks(_tower_rank, 1, False)[0]
-    for params, units in run_ranks(_tower_rank, 2, True, timeout=60):
+    for params, (units, root_tail) in run_ranks(_tower_rank, 2, True, timeout=60):
         assert units == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+        assert root_tail == 6 * 16 + 16 + 16 + 1  # no embedding: the tail is empty, at the root's end
         for name, p in reference.items():
             assert (params[name] - p).abs().max() <= 1e-5, name
 
