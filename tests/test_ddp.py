@@ -164,7 +164,8 @@ def _one_rank(steps):
             autograds_own = {id(p): p.grad for p in model.parameters()}
     dp.finish_backward()
     kept = all(p.grad is autograds_own[id(p)] for p in model.parameters())
-    return grads, params, len(dp._hooks), dp.grad_buffer is None, kept
+    hooks = sum(len(p._post_accumulate_grad_hooks or ()) for p in model.parameters())
+    return grads, params, hooks, dp.grad_buffer is None, kept
 
 
 def test_at_one_rank_the_gradients_stay_autograds_own_and_equal_torch_ddp():

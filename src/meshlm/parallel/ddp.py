@@ -68,9 +68,10 @@ class DDP:
         self._setup_buffers()
         self.tracker = ReadyTracker([[(s.name, s.param) for s in b.slots] for b in self.layout.buckets],
                                     self._launch)
-        hook = weak_hook(self._on_grad_ready)
-        self._hooks = [] if self.autograd_grads else [
-            s.param.register_post_accumulate_grad_hook(hook) for s in self.layout.slots]
+        if not self.autograd_grads:
+            hook = weak_hook(self._on_grad_ready)
+            for s in self.layout.slots:
+                s.param.register_post_accumulate_grad_hook(hook)
         self.optim = SegmentAdamW(self._master_segments(), train_cfg)
         self.unused_parameters: list[str] = []
 
@@ -281,11 +282,6 @@ class DDP:
         """The reduced gradients, full and fp32, by parameter name (for tests; collective when sharded)."""
         values = self._full_values(grads=True)
         return {name: values[id(p)] for name, p in self.module.named_parameters() if id(p) in values}
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def named_state(module: nn.Module, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -65,8 +65,6 @@ class FullyShardedDataParallel:
         self.reshard_after_forward, self.prefetch, self.forward_prefetch = reshard_after_forward, prefetch, forward_prefetch
         # Units in forward order: the root (embeddings ... head) first, then the policy's modules.
         self.units: list[Unit] = []
-        self._unit_of: dict[int, Unit] = {}
-        self._slot_of: dict[int, Slot] = {}
         groups = choose_units(module, policy)
         # The root's embedding weights (not shared with another module) go last: see `Unit.trim`.
         owners: dict[int, list[nn.Module]] = {}
@@ -89,9 +87,6 @@ class FullyShardedDataParallel:
                 offset += p.numel()
             unit = Unit(len(self.units), name, slots, self.n, self.rank, precision, self.device, values)
             self.units.append(unit)
-            for s in slots:
-                self._unit_of[id(s.param)] = unit
-                self._slot_of[id(s.param)] = s
         self.root = self.units[0] if groups[0][1] else None
         if self.root is not None:
             tail = [s.start for s in self.root.slots if id(s.param) in tail_ids]
@@ -107,21 +102,19 @@ class FullyShardedDataParallel:
         hooks_order = [*([self.root] if self.root else []), *reversed(blocks)]
         self._backward_next = {id(a): b for a, b in zip(hooks_order, hooks_order[1:])}
         self.tracker = ReadyTracker([[(s.name, s.param) for s in u.slots] for u in backward_order], self._launch)
-        self._hooks = []
         self._pending: list = []
         self._end_queued = False
         self.unused_parameters: list[str] = []
         for unit in self.units:
             owner = module if unit is self.root else module.get_submodule(unit.name)
-            self._hooks.append(owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u)))
-            self._hooks.append(owner.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out)))
+            owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            owner.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
             if unit is self.root:  # always_call: pop the saved-tensor hooks even if forward raises
-                self._hooks.append(owner.register_forward_hook(lambda m, a, out: self._end_tail_check(),
-                                                               always_call=True))
+                owner.register_forward_hook(lambda m, a, out: self._end_tail_check(), always_call=True)
             for s in unit.slots:
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)))
+                s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         if self.root is None:  # still need the end-of-forward bookkeeping for evaluation
-            self._hooks.append(module.register_forward_hook(lambda m, a, out: self._post_forward(None, out)))
+            module.register_forward_hook(lambda m, a, out: self._post_forward(None, out))
         segments = []
         for unit in self.units:
             for s in unit.slots:
@@ -193,8 +186,8 @@ class FullyShardedDataParallel:
             if not self._tail_used and t.device == root.full.device and t.numel() > 0:
                 try:
                     same = t.untyped_storage().data_ptr() == ptr
-                except (RuntimeError, NotImplementedError):
-                    same = False
+                except RuntimeError:  # no plain storage: a jagged nested tensor, a sparse one
+                    same = False      # (whose NotImplementedError is a RuntimeError)
                 if same:
                     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
                     if (t.storage_offset() + extent) * t.element_size() > tail_byte:
@@ -321,8 +314,3 @@ class FullyShardedDataParallel:
     def full_grads(self) -> dict[str, torch.Tensor]:
         values = self._full_values(grads=True)
         return {name: values[id(p)] for name, p in self.module.named_parameters()}
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
