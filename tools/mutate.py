@@ -48,8 +48,9 @@ MODULES = {
     "data_parallel": ("src/meshlm/parallel/data_parallel.py",
                       ["tests/test_zero.py", "-k", "every_stage_equals or bf16 or engine_and_its"]),
     "flat_buffer": ("src/meshlm/parallel/flat_buffer.py",
-                    ["tests/test_ddp.py", "tests/test_zero.py::test_every_stage_equals_the_single_process_reference",
-                     "-k", "flat_layout or ready_tracker or equals_torch or unused or every_stage"]),
+                    ["tests/test_flat_buffer.py", "tests/test_ddp.py",
+                     "tests/test_zero.py::test_every_stage_equals_the_single_process_reference",
+                     "-k", "flat_buffer or equals_torch or unused or every_stage"]),
     "schedules": ("src/meshlm/parallel/pipeline/schedules.py", ["tests/test_pipeline_schedules.py"]),
     # The config's cross-key checks are tested beside the techniques they guard (layouts in
     # test_mesh, pipelines in test_pipeline_schedules, model.init_from in test_hf_interop).
