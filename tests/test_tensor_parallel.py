@@ -278,3 +278,47 @@ def test_measured_activation_memory_per_layer_equals_the_formula(cfg_args):
         outside = BATCH * SEQ * (6 * cfg.dim + 2) * 4
         assert measured[(tp_size, False)] - measured[(tp_size, True)] == outside * (1 - 1 / tp_size)
         assert measured[(tp_size, True)] * tp_size == measured[(1, False)]  # SP: everything / tp
+
+
+def test_a_regions_backward_gathers_its_input_once_and_drops_it_after_its_last_linear(monkeypatch):
+    """Under SP the column linears of a region (wq, wk, wv) save the sequence *shard*; in backward
+    the first to run all-gathers it, the others reuse that copy, and the last one drops it, so a
+    full-sequence copy lives only while its region's backward runs."""
+    from meshlm.parallel import tensor_layers
+    from meshlm.parallel.tensor_layers import ParallelRegion
+
+    comm = Comm(ParallelContext(Layout()))  # tp of one: the gather is a copy, the bookkeeping is the same
+    gathers = []
+    real_gather = tensor_layers.gather_sequence
+    monkeypatch.setattr(tensor_layers, "gather_sequence", lambda shard, c: gathers.append(1) or real_gather(shard, c))
+    region = ParallelRegion(comm, sequence_parallel=True)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    weights = [torch.randn(6, 8, requires_grad=True) for _ in range(3)]
+    full = region.enter(x)
+    outs = [region.linear(full, w) for w in weights]
+    gather = region.current[1]
+    region.leave()
+    assert gather.users == 3 and gather.full is None and len(gathers) == 1  # forward: one gather
+    held = []
+    for i, out in enumerate(outs):  # each linear's backward alone, in turn
+        out.sum().backward(retain_graph=True, inputs=[weights[i]])
+        held.append(gather.full is not None)
+    assert len(gathers) == 2 and held == [True, True, False] and gather.users == 0
+    for w in weights:  # and each weight's gradient is that of the full input
+        assert torch.allclose(w.grad, torch.ones(6, 1) * x.detach().reshape(-1, 8).sum(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("size, tp", [(8, 4), (7, 4), (2, 4), (1, 2)])
+def test_shard_rows_pads_at_the_end_to_a_multiple_of_tp(size, tp):
+    """Equal shards whatever the size, fewer rows than ranks included; the padding is zeros, last."""
+    from meshlm.parallel.tensor_layers import shard_rows
+
+    full = torch.arange(1.0, size * 3 + 1).reshape(size, 3)
+    for dim, tensor in ((0, full), (1, full.t().contiguous())):
+        shards = [shard_rows(tensor, tp, r, dim) for r in range(tp)]
+        per = -(-size // tp)
+        assert all(s.shape[dim] == per for s in shards)
+        joined = torch.cat(shards, dim=dim)
+        assert torch.equal(joined.narrow(dim, 0, size), tensor)
+        assert not joined.narrow(dim, size, per * tp - size).any()
+        assert shards[0].data_ptr() != tensor.data_ptr()  # a copy: the full tensor can be freed

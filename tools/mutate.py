@@ -88,12 +88,15 @@ MODULES = {
         "-k", "not loss_curve and (fsdp or fully_shard or checkpointing or wire or size_policy or stage or "
               "accumulation or bf16 or state_bytes or zero or grad_norm)"]),
     # TP/SP layers: against DTensor's parallelize_module and one process (tp 2 and 4, replicated KV
-    # heads, sequence parallel), bytes against the formulas, activation memory per layer.
+    # heads, sequence parallel), bytes against the formulas, activation memory per layer; which
+    # replica of a replicated kv head writes it to a checkpoint (tp4).
     "tensor_layers": ("src/meshlm/parallel/tensor_layers.py", [
-        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py", "-k", "not loss_curve"]),
+        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
     # The TP plan and its application (GQA kv-head replication, SP norms, the comm formulas).
     "tensor": ("src/meshlm/parallel/tensor.py", [
-        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py", "-k", "not loss_curve"]),
+        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
     # Ring attention: against full causal attention (GQA, fused and not), the load-balanced layout,
     # a CP run against one process, ring bytes against the formula.
     "context": ("src/meshlm/parallel/context.py", ["tests/test_context_parallel.py", "-k", "not loss_curve"]),
