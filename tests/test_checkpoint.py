@@ -38,6 +38,7 @@ LAYOUTS = {
     "dp2-zero3-bf16": (2, ["parallel.zero=3", "train.dtype=bfloat16"]),
     "tp4": (4, ["parallel.tp=4"]),  # the debug model's 2 kv heads, each replicated on 2 tp ranks
     "cp2-dp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3"]),
+    "pp3-empty-stage": (3, ["parallel.pp=3", "parallel.pp_layers=2,0,2"]),  # a stage with no parameters
 }
 
 
@@ -82,7 +83,7 @@ def test_single_process_resume_is_bitwise_exact(corpus, tmp_path, reference):
 
 
 @pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved", "dp2-zero1-bf16",
-                                    "dp2-zero3-bf16"])
+                                    "dp2-zero3-bf16", "pp3-empty-stage"])
 def test_same_layout_resume_is_bitwise_exact(corpus, tmp_path, layout):
     straight = segment(corpus, tmp_path / "straight", layout, UNTIED)
     first = segment(corpus, tmp_path, layout, UNTIED, stop=SAVE_AT, save=True)
@@ -200,12 +201,19 @@ def test_background_save_holds_the_state_of_its_step(corpus, tmp_path, layout):
                                                         ({"fused": None, "capturable": False}, False)])
 def test_resumed_adamw_step_lives_where_torchs_kernels_read_it(flags, on_parameter_device):
     """The fused (CUDA) and capturable kernels read `step` on the parameter's device; the others
-    on the CPU. A meta-device master stands in for a GPU one on this machine."""
+    on the CPU. A meta-device master stands in for a GPU one on this machine. Its dtype follows
+    torch's `_init_group` too: float32 for fused, else the default dtype (float64 here, so the
+    two differ)."""
     from meshlm.train.checkpoint.state import _new_adam_state
 
-    state = _new_adam_state(torch.empty(6, device="meta"), 12, flags)
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = _new_adam_state(torch.empty(6, dtype=torch.float32, device="meta"), 12, flags)
+    finally:
+        torch.set_default_dtype(torch.float32)
     assert state["step"].device.type == ("meta" if on_parameter_device else "cpu")
-    assert state["step"].dtype == torch.float32 and state["step"].shape == ()
+    assert state["step"].dtype == (torch.float32 if flags.get("fused") else torch.float64)
+    assert state["step"].shape == ()
     assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
     if not on_parameter_device:
         assert state["step"].item() == 12.0

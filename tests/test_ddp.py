@@ -265,7 +265,9 @@ def _state_rank(kind, precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_state_tensors_are_what_model_state_bytes_counts(kind, world_size, precision):
     """What the memory tracker reads as model state (state_tensors) is what the engine accounts
-    for by kind: parameters, gradients (buffer, shard or autograd's), masters, AdamW moments."""
+    for by kind: parameters, gradients (buffer, shard or autograd's), masters, AdamW moments.
+    Compared after a step, where FSDP has freed every unsharded buffer: `model_state_bytes`
+    also counts those while they are gathered, `state_tensors` never does."""
     for has_none, held, counted in run_ranks(_state_rank, world_size, kind, BF16 if precision == "bf16" else FP32,
                                              timeout=60):
         assert not has_none and held == counted > 0

@@ -64,10 +64,12 @@ def test_the_root_cuts_off_an_untied_embedding_after_forward_and_keeps_a_tied_on
         assert slots["output.weight"][1] == tail  # the head's weight ends where the tail starts
         assert after_forward == tail < padded
         assert hooks_in_blocks == [True]  # watching what the forward saves, until the root's forward ends
-    for after_forward, tail, padded, slots, hooks_in_blocks in run_ranks(_root_after_forward_rank, 2, True):
-        assert "output.weight" not in slots and tail == padded  # one Parameter; 32,832 elements, even
-        assert after_forward == padded
-        assert hooks_in_blocks == [False]
+    # Tied, at 2 ranks and at 5, where the root's 32,832 elements are padded to 32,835.
+    for world, pad in ((2, 0), (5, 3)):
+        for after_forward, tail, padded, slots, hooks_in_blocks in run_ranks(_root_after_forward_rank, world, True):
+            assert "output.weight" not in slots and tail == padded - pad == slots["norm.weight"][1]
+            assert after_forward == padded
+            assert hooks_in_blocks == [False]
 
 
 class FunctionalTie(nn.Module):
@@ -280,3 +282,31 @@ def _unused_rank():
 def test_parameters_unused_on_the_first_step_are_named():
     for seen in run_ranks(_unused_rank, 2):
         assert seen == [["unused.weight", "unused.bias"]] * 2
+
+
+class EarlyExit(nn.Module):
+    """Two units and nothing at the root; evaluation may stop after the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, stop_early=False):
+        h = self.first(x)
+        return h if stop_early else self.second(h)
+
+
+def _early_exit_rank():
+    torch.manual_seed(0)
+    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    fsdp = FullyShardedDataParallel(EarlyExit(), comm, TRAIN, policy=by_class(nn.Linear), forward_prefetch=True)
+    with torch.no_grad():
+        fsdp.module(torch.ones(2, 4), stop_early=True)
+    return fsdp.root, [u.name for u in fsdp.units if u.full.untyped_storage().nbytes() > 0]
+
+
+def test_the_end_of_an_evaluation_forward_frees_a_prefetched_unit_that_never_ran():
+    """`first` prefetches `second`, which the forward then skips: with no root unit to end the
+    forward, the module's own forward hook frees it."""
+    for root, left in run_ranks(_early_exit_rank, 2):
+        assert root is None and left == []

@@ -92,11 +92,11 @@ MODULES = {
     # replica of a replicated kv head writes it to a checkpoint (tp4).
     "tensor_layers": ("src/meshlm/parallel/tensor_layers.py", [
         "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
-        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp4]", "-k", "not loss_curve"]),
     # The TP plan and its application (GQA kv-head replication, SP norms, the comm formulas).
     "tensor": ("src/meshlm/parallel/tensor.py", [
         "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
-        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp4]", "-k", "not loss_curve"]),
     # Ring attention: against full causal attention (GQA, fused and not), the load-balanced layout,
     # a CP run against one process, ring bytes against the formula.
     "context": ("src/meshlm/parallel/context.py", ["tests/test_context_parallel.py", "-k", "not loss_curve"]),

@@ -175,7 +175,7 @@ class FullyShardedDataParallel:
         tail is simply kept."""
         self._tail_used = False
         root = self.root
-        if (not torch.is_grad_enabled() or not self.reshard_after_forward or root.tail >= root.padded
+        if (not torch.is_grad_enabled() or not self.reshard_after_forward or root.tail >= root.slots[-1].end
                 or self._saved_hooks is not None or torch._C._autograd._top_saved_tensors_default_hooks(False)
                 is not None or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
             return

@@ -247,7 +247,8 @@ def load_weights(trainer, reader, optimizer_state: bool) -> None:
     engine rebuild what derives from them (bf16 copies, other ranks' ZeRO slices)."""
     step = reader.meta["step"] if optimizer_state else 0  # AdamW steps once per training step
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer_state else {}
+    group_of = ({id(p): g for g in optimizer.param_groups for p in g["params"]}
+                if optimizer_state and optimizer is not None else {})  # None: a stage without parameters
     for seg, _placement, pieces in owned_pieces(trainer):
         for piece in pieces:
             reader.read("model", piece.name, piece.rect, piece.view(seg.master))
