@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from meshlm.comm import Comm
+from meshlm.parallel.tensor_layers import tp_slice
 
 # Gradient reduction runs over dp x cp: context-parallel ranks hold the same weights and see
 # different tokens, so their gradients are summed with the data-parallel ones.
@@ -30,7 +31,7 @@ def counts_toward_norm(param: nn.Parameter, ctx) -> bool:
     if getattr(param, "meshlm_pp_duplicate", False):
         return False
     if getattr(param, "meshlm_tp_sharded", False):  # replicated kv heads: their first replica
-        return ctx.coord("tp") % getattr(param, "meshlm_tp_replicas", 1) == 0
+        return tp_slice(param, ctx.coord("tp"))[1]
     return ctx.coord("tp") == 0
 
 

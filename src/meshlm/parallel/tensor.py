@@ -93,7 +93,7 @@ class TensorParallel:
                 continue
             if id(p) not in gathered:
                 gathered[id(p)] = self._gather(value, p.meshlm_tp_dim, p.meshlm_tp_full_size,
-                                               getattr(p, "meshlm_tp_replicas", 1))
+                                               p.meshlm_tp_replicas)
             out[name] = gathered[id(p)]
         return out
 

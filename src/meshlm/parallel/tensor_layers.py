@@ -58,12 +58,6 @@ def reduce_scatter_sequence(full: torch.Tensor, comm: Comm) -> torch.Tensor:
     return out
 
 
-def sequence_shard(full: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """This rank's chunk of a tensor every rank holds whole (no communication)."""
-    n, r = comm.ctx.size(TP), comm.ctx.group_rank(TP)
-    return full.chunk(n, dim=1)[r].contiguous()
-
-
 def sum_replica_gradients(param: nn.Parameter, comm: Comm, slices: int, replicas: int) -> None:
     """Sum the gradient of a slice over the tp ranks that replicate it, as it is computed (a hook
     before accumulation, so it composes with micro-batches and every data-parallel engine). One
@@ -243,8 +237,9 @@ def mark_tp_sharded(param: nn.Parameter, dim: int, full_size: int, replicas: int
 
 def tp_slice(param: torch.Tensor, tp_rank: int) -> tuple[int, bool]:
     """(which slice of the full tensor along `meshlm_tp_dim` tp rank `tp_rank` holds, whether it
-    is the first of that slice's replicas: the one that writes, gathers and counts it)."""
-    replicas = getattr(param, "meshlm_tp_replicas", 1)
+    is the first of that slice's replicas: the one that writes, gathers and counts it). For a
+    parameter marked by `mark_tp_sharded`."""
+    replicas = param.meshlm_tp_replicas
     return tp_rank // replicas, tp_rank % replicas == 0
 
 
