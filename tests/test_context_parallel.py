@@ -124,7 +124,8 @@ def _ring_send_bytes(corpus, run_dir, world_size, *extra):
     (2, ["parallel.cp=2"]),
     (4, ["parallel.cp=4", "train.dtype=bfloat16"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "train.recompute=full"]),
-], ids=["cp2", "cp4-bf16", "tp2-cp2-recompute"])
+    (2, ["parallel.cp=2", "train.recompute=selective"]),  # the ring stores no scores: nothing rerun
+], ids=["cp2", "cp4-bf16", "tp2-cp2-recompute", "cp2-selective"])
 def test_ring_bytes_per_rank_equal_the_formula(corpus, tmp_path, world, extra):
     cfg = small_cfg(corpus, tmp_path, world, *extra, steps=1)
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -233,3 +234,52 @@ def test_cuda_flash_blocks_equal_the_portable_math(causal):
     for name, a, b in zip(("dq", "dk", "dv"), _block_backward(dout, q, k, v, *merged, causal, True),
                           _block_backward(dout, q, k, v, *merged, causal, False)):
         assert torch.allclose(a.float(), b.float(), atol=3e-2, rtol=2e-2), (name, (a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, capability, flash_on, hip, fused, expected", [
+    ("cpu", torch.float32, 64, None, True, None, True, "cpu"),
+    ("cpu", torch.float32, 64, None, True, None, False, None),  # fused=False: the portable math
+    ("cuda", torch.bfloat16, 64, (8, 0), True, None, True, "cuda"),
+    ("cuda", torch.float16, 256, (9, 0), True, None, True, "cuda"),
+    ("cuda", torch.bfloat16, 64, (8, 0), True, None, False, None),
+    ("cuda", torch.bfloat16, 64, (7, 5), True, None, True, None),  # FlashAttention-2 needs sm80+
+    ("cuda", torch.float32, 64, (8, 0), True, None, True, None),  # bf16/fp16 only
+    ("cuda", torch.bfloat16, 60, (8, 0), True, None, True, None),  # head_dim a multiple of 8
+    ("cuda", torch.bfloat16, 264, (8, 0), True, None, True, None),  # ... up to 256
+    ("cuda", torch.bfloat16, 64, (8, 0), False, None, True, None),  # torch.backends.cuda.enable_flash_sdp(False)
+    ("cuda", torch.bfloat16, 64, (8, 0), True, "6.0", True, None),  # ROCm's kernel differs
+    ("mps", torch.bfloat16, 64, None, True, None, True, None),
+], ids=lambda v: str(v))
+def test_the_flash_kernel_is_chosen_only_where_it_exists(monkeypatch, device, dtype, head_dim, capability,
+                                                         flash_on, hip, fused, expected):
+    """The decision table of `_flash_kernel`, on any machine: q stands in for a tensor on `device`
+    and the CUDA queries answer as that GPU would."""
+    from types import SimpleNamespace
+
+    from meshlm.parallel.context import _flash_kernel
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: flash_on)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    q = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(2, 4, 16, head_dim))
+    assert _flash_kernel(q, fused) == expected
+
+
+def test_ring_attention_uses_the_devices_kernel_unless_told_not_to():
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout, ParallelContext
+    from meshlm.parallel.context import RingAttention
+
+    comm = Comm(ParallelContext(Layout()))
+    assert RingAttention(comm).ring.fused is True and RingAttention(comm, fused=False).ring.fused is False
+
+
+def test_load_balanced_rotary_refuses_a_full_sequence_past_max_seq_len():
+    from meshlm.model.llama import RotaryEmbedding
+    from meshlm.parallel.context import LoadBalancedRotary
+
+    rope = LoadBalancedRotary(RotaryEmbedding(16, 32, 10000.0), cp=2, rank=1)
+    cos, _ = rope(16)  # 2 x 16 = 32 = max_seq_len: allowed
+    assert cos.shape[-2] == 16
+    with pytest.raises(ValueError, match="sequence length 34 exceeds max_seq_len=32"):
+        rope(17)
