@@ -336,3 +336,32 @@ def _loader(cfg: Config, loader_cls: type[TokenLoader]) -> TokenLoader:
     t = cfg.train
     tokens = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda m: None).train_tokens()
     return loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
+
+
+def train_any_module(model, x, sharded: bool, policy, train_cfg, steps: int = 3):
+    """`steps` AdamW steps on sum(model(x)²): on one process over all rows of x, or under meshlm's
+    FSDP with `policy`, each rank taking its share of the rows (the sum over ranks is the same
+    loss). Returns (full state dict, the FSDP engine or None)."""
+    import torch.distributed as dist
+
+    from meshlm.comm import Comm
+    from meshlm.mesh import ParallelContext
+    from meshlm.parallel.fsdp import FullyShardedDataParallel
+    from meshlm.train.optim import build_optimizer
+
+    if not sharded:
+        optimizer = build_optimizer(model, train_cfg)
+        for _ in range(steps):
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, None
+    fsdp = FullyShardedDataParallel(model, Comm(ParallelContext.from_config(load_config(None, []).parallel)),
+                                    train_cfg, policy=policy)
+    rank, n, rows = dist.get_rank(), dist.get_world_size(), x.shape[0]
+    for _ in range(steps):
+        fsdp.module(x[rank * rows // n: (rank + 1) * rows // n]).pow(2).sum().backward()
+        fsdp.finish_backward()
+        fsdp.clip_and_step(train_cfg.lr, 0.0)
+        fsdp.zero_grad()
+    return fsdp.full_state_dict(), fsdp

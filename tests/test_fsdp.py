@@ -17,7 +17,7 @@ from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.model.loss import token_loss_sum
 
-from helpers import cli_train_args, debug_model, local_batch, read_metrics, run_meshlm
+from helpers import cli_train_args, debug_model, local_batch, read_metrics, run_meshlm, train_any_module
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
@@ -125,24 +125,9 @@ class Tower(nn.Module):
 
 def _tower_rank(sharded):
     torch.manual_seed(0)
-    model = Tower()
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
-    if not sharded:  # the single-process reference: all 8 rows, plain AdamW
-        optimizer = build_optimizer(model, TRAIN)
-        for _ in range(3):
-            model(x).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}, None
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
-    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_size(800))
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for _ in range(3):
-        fsdp.module(x[rank * 8 // n: (rank + 1) * 8 // n]).pow(2).sum().backward()
-        fsdp.finish_backward()
-        fsdp.clip_and_step(TRAIN.lr, 0.0)
-        fsdp.zero_grad()
-    return fsdp.full_state_dict(), ([u.name for u in fsdp.units], fsdp.root.tail)
+    params, fsdp = train_any_module(Tower(), x, sharded, by_size(800), TRAIN)
+    return params, fsdp and ([u.name for u in fsdp.units], fsdp.root.tail)
 
 
 def test_any_module_with_a_size_policy_equals_the_single_process_reference():

@@ -17,7 +17,7 @@ from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class, by_size
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 
-from helpers import local_batch
+from helpers import local_batch, train_any_module
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
@@ -226,26 +226,13 @@ def _all_in_units_rank(sharded):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 4))
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
-    if not sharded:
-        optimizer = build_optimizer(model, TRAIN)
-        for _ in range(3):
-            model(x).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        with torch.no_grad():
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}, model(x), None
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
-    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(nn.Linear))
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for _ in range(3):
-        fsdp.module(x[rank * 8 // n: (rank + 1) * 8 // n]).pow(2).sum().backward()
-        fsdp.finish_backward()
-        fsdp.clip_and_step(TRAIN.lr, 0.0)
-        fsdp.zero_grad()
+    params, fsdp = train_any_module(model, x, sharded, by_class(nn.Linear), TRAIN)
     with torch.no_grad():
-        evaluated = fsdp.module(x)
+        evaluated = model(x)
+    if fsdp is None:
+        return params, evaluated, None
     left = [u.name for u in fsdp.units if u.full.untyped_storage().nbytes() > 0]
-    return fsdp.full_state_dict(), evaluated, ([u.name for u in fsdp.units], fsdp.root, left)
+    return params, evaluated, ([u.name for u in fsdp.units], fsdp.root, left)
 
 
 def test_a_module_whose_parameters_all_sit_in_units_equals_one_process():
