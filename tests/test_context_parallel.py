@@ -117,7 +117,7 @@ def _ring_send_bytes(corpus, run_dir, world_size, *extra):
     trainer = build_trainer(cfg)
     trainer.forward_backward()
     sent = sum(r["bytes_sent"] for r in trainer.comm.summary() if r["op"] == "send" and r["axis"] == "cp")
-    return sent, trainer.ctx.rank
+    return sent, trainer.ctx.rank, trainer.comm.recorder.pending()
 
 
 @pytest.mark.parametrize("world,extra", [
@@ -134,8 +134,9 @@ def test_ring_bytes_per_rank_equal_the_formula(corpus, tmp_path, world, extra):
     forwards = 2 if t.recompute == "full" else 1
     micro_batches = t.global_batch_size // (t.micro_batch_size * p.dp)
     expected = m.n_layers * micro_batches * (forwards * per_layer["forward"] + per_layer["backward"])
-    for sent, rank in run_ranks(_ring_send_bytes, world, corpus, tmp_path, world, *extra):
+    for sent, rank, pending in run_ranks(_ring_send_bytes, world, corpus, tmp_path, world, *extra):
         assert sent == expected, rank
+        assert pending == [], rank  # every exchange the step started was waited for (and so counted)
 
 
 def _saved_activation_bytes(corpus, run_dir, world_size, *extra):
