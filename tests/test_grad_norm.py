@@ -4,7 +4,8 @@ A replicated parameter (a norm weight under TP, the tied embedding's pipeline du
 replicated across tp ranks) must count toward the global norm exactly once, and ZeRO/FSDP shards
 and CP's token split must add up to the same sum of squares. With `train.grad_clip` far below the
 norm, clipping scales every update by clip/norm, so a wrong norm also changes every weight: both
-the reported norm (each step) and the weights after three clipped AdamW steps are compared."""
+the reported norm (each step) and the weights after three clipped AdamW steps are compared.
+Every layout also leaves no communication pending: each async op a step starts, it waits for."""
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ def norms_losses_weights(corpus, run_dir, world_size, layouts):
         cfg = small_cfg(corpus, run_dir, world_size, *CLIP, *layout, steps=STEPS)
         trainer = build_trainer(cfg)
         results = [trainer.train_step() for _ in range(STEPS)]
+        pending = [(op["op"], op["axis"]) for op in trainer.comm.recorder.pending()]  # started, never waited
         weights = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
         out.append(([r.grad_norm for r in results], [r.loss for r in results],
-                     weights if trainer.ctx.rank == 0 else None))
+                     weights if trainer.ctx.rank == 0 else None, pending))
     return out
 
 
@@ -61,14 +63,15 @@ def test_grad_norm_and_clipping_equal_one_process(corpus, tmp_path, world):
 
     refs = {}
     for model in sorted({model_keys(layout) for layout in layouts}):
-        ((norms, losses, weights),) = norms_losses_weights(corpus, tmp_path / "one", 1, [model])
+        ((norms, losses, weights, _),) = norms_losses_weights(corpus, tmp_path / "one", 1, [model])
         assert min(norms) > 5 * float(CLIP[0].split("=")[1])  # clipping acts on every step
         refs[model] = norms, losses, weights
     per_rank = run_ranks(norms_losses_weights, world, corpus, tmp_path / "n", world, layouts, timeout=400)
     for i, layout in enumerate(layouts):
         ref_norms, ref_losses, ref_weights = refs[model_keys(layout)]
         for rank, results in enumerate(per_rank):
-            norms, losses, weights = results[i]
+            norms, losses, weights, pending = results[i]
+            assert pending == [], (layout, rank)  # every async op a step started, it also waited for
             assert norms == pytest.approx(ref_norms, rel=1e-6), (layout, rank)
             assert losses == pytest.approx(ref_losses, abs=1e-5), (layout, rank)
             if weights is not None:
