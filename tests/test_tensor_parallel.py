@@ -1,6 +1,8 @@
 """Tensor and sequence parallelism against the single-process model, against PyTorch's DTensor TP,
 and against their own cost formulas (communication bytes, saved activation bytes)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -232,7 +234,14 @@ def test_communication_bytes_equal_the_formulas(tp_size, sequence_parallel):
         assert set(recorded) == set(predicted)
         for op, p in predicted.items():
             assert recorded[op] == (p["count"], p["bytes"], p["sent"]), op
+    # One layer's share of the measured activation traffic (SP's [dim] all-reduces of the norm
+    # gradients aside), as the per-layer formula says (by default with SP's re-gathers);
     # Korthikanti et al.: SP moves the same bytes per layer as TP (its re-gathers aside).
+    deeper = comm_per_microbatch(dataclasses.replace(cfg, n_layers=cfg.n_layers + 1), BATCH, SEQ, tp_size,
+                                 sequence_parallel)
+    activations = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    one_layer = sum(deeper[op]["sent"] - predicted[op]["sent"] for op in activations)
+    assert layer_comm_sent(cfg, BATCH, SEQ, tp_size, sequence_parallel) == pytest.approx(one_layer, rel=1e-12)
     assert layer_comm_sent(cfg, BATCH, SEQ, tp_size, True, include_regather=False) == \
         layer_comm_sent(cfg, BATCH, SEQ, tp_size, False)
 

@@ -93,9 +93,10 @@ MODULES = {
     "tensor_layers": ("src/meshlm/parallel/tensor_layers.py", [
         "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp4]", "-k", "not loss_curve"]),
-    # The TP plan and its application (GQA kv-head replication, SP norms, the comm formulas).
+    # The TP plan and its application (GQA kv-head replication, SP norms, the comm formulas), and
+    # the activation formulas against the published ones (Korthikanti et al.).
     "tensor": ("src/meshlm/parallel/tensor.py", [
-        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py",
+        "tests/test_tensor_parallel.py", "tests/test_vocab_parallel.py", "tests/test_memory_published.py",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp4]", "-k", "not loss_curve"]),
     # Ring attention: against full causal attention (GQA, fused and not), the load-balanced layout,
     # a CP run against one process, ring bytes against the formula.
