@@ -40,7 +40,8 @@ def reference(cfg, seed=0):
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     loss = loss / (targets != -100).sum()
     loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    # Every name, a tied head's too: the sharded model's gathered gradients must carry it as well.
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def tp_forward_backward(cfg, sequence_parallel, seed=0):
@@ -92,6 +93,21 @@ def test_logits_loss_and_every_gradient_equal_the_single_process_model(tp, cfg_a
             assert r["tied"] == ("model.tie_embeddings=true" in cfg_args)
             assert len(r["sharded"]) == 2 * 7 + 2 - r["tied"]  # 7 matrices per layer, embedding, head
         assert rank["sp_vs_tp"] <= 1e-6  # sequence parallelism on and off agree
+
+
+def test_a_model_whose_heads_or_mlp_tp_does_not_divide_is_refused_naming_the_key():
+    from types import SimpleNamespace
+
+    from meshlm.parallel.tensor import check_divisible
+
+    check_divisible(SimpleNamespace(n_heads=8, n_kv_heads=4, ffn_dim=160), 4)
+    check_divisible(SimpleNamespace(n_heads=8, n_kv_heads=2, ffn_dim=160), 8)  # kv heads replicated 4 times
+    for key, value, cfg, tp in (("n_heads", 6, dict(n_heads=6, n_kv_heads=2, ffn_dim=160), 4),
+                                ("ffn_dim", 150, dict(n_heads=8, n_kv_heads=4, ffn_dim=150), 4),
+                                ("n_kv_heads", 3, dict(n_heads=6, n_kv_heads=3, ffn_dim=160), 2),
+                                ("n_kv_heads", 4, dict(n_heads=12, n_kv_heads=4, ffn_dim=168), 6)):
+        with pytest.raises(ValueError, match=rf"model\.{key}={value} (is not divisible by|neither divides)"):
+            check_divisible(SimpleNamespace(**cfg), tp)
 
 
 def test_plan_covers_every_matrix_of_the_model():
