@@ -205,7 +205,8 @@ def comm_per_microbatch(cfg, batch: int, seq: int, tp: int, sequence_parallel: b
 
 def layer_comm_sent(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool, itemsize: int = 4,
                     include_regather: bool = True) -> float:
-    """Bytes one rank sends for one layer's forward + backward. TP == SP without the re-gathers."""
+    """Bytes one rank sends for one layer's forward + backward in activation collectives. TP == SP
+    without the re-gathers. SP's all-reduces of the norm gradients (2 x dim per layer) are left out."""
     act = batch * seq * cfg.dim * itemsize
     if not sequence_parallel:
         return 4 * act * bus_factor("all_reduce", tp)
