@@ -250,12 +250,14 @@ def build_trainer(cfg: Config, loader_cls: type[TokenLoader] | None = None):
     return trainer
 
 
-def debug_model(seed: int = 7, recompute: str = "none"):
-    """The debug-preset Llama, initialised, for tests of engines that wrap any nn.Module."""
+def debug_model(seed: int = 7, recompute: str = "none", **model_overrides):
+    """The debug-preset Llama, initialised, for tests of engines that wrap any nn.Module;
+    `model_overrides` as model.KEY=VALUE config keys (e.g. n_layers=3)."""
     from meshlm.model import Llama, init_weights
     from meshlm.parallel.recompute import apply_activation_checkpointing
 
-    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1"]))
+    cfg = resolve(load_config(None, ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1",
+                                     *(f"model.{k}={v}" for k, v in model_overrides.items())]))
     model = Llama(cfg.model)
     init_weights(model, seed)
     apply_activation_checkpointing(model, recompute)
@@ -338,14 +340,20 @@ def _loader(cfg: Config, loader_cls: type[TokenLoader]) -> TokenLoader:
     return loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
 
 
+def comm_here():
+    """A traced Comm over this process's world (the forked test ranks'), every rank on dp."""
+    from meshlm.comm import Comm
+    from meshlm.mesh import ParallelContext
+
+    return Comm(ParallelContext.from_config(load_config(None, []).parallel))
+
+
 def train_any_module(model, x, sharded: bool, policy, train_cfg, steps: int = 3):
     """`steps` AdamW steps on sum(model(x)²): on one process over all rows of x, or under meshlm's
     FSDP with `policy`, each rank taking its share of the rows (the sum over ranks is the same
     loss). Returns (full state dict, the FSDP engine or None)."""
     import torch.distributed as dist
 
-    from meshlm.comm import Comm
-    from meshlm.mesh import ParallelContext
     from meshlm.parallel.fsdp import FullyShardedDataParallel
     from meshlm.train.optim import build_optimizer
 
@@ -356,8 +364,7 @@ def train_any_module(model, x, sharded: bool, policy, train_cfg, steps: int = 3)
             optimizer.step()
             optimizer.zero_grad()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, None
-    fsdp = FullyShardedDataParallel(model, Comm(ParallelContext.from_config(load_config(None, []).parallel)),
-                                    train_cfg, policy=policy)
+    fsdp = FullyShardedDataParallel(model, comm_here(), train_cfg, policy=policy)
     rank, n, rows = dist.get_rank(), dist.get_world_size(), x.shape[0]
     for _ in range(steps):
         fsdp.module(x[rank * rows // n: (rank + 1) * rows // n]).pow(2).sum().backward()

@@ -8,9 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.comm import Comm
-from meshlm.config import TrainConfig, load_config
-from meshlm.mesh import ParallelContext
+from meshlm.config import TrainConfig
 from meshlm.model.llama import TransformerBlock
 from meshlm.parallel.ddp import DDP
 from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class
@@ -20,16 +18,12 @@ from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.model.loss import token_loss_sum
 
-from helpers import debug_model, host_memory_tuning_recorder, local_batch, poisoned_empty
+from helpers import comm_here, debug_model, host_memory_tuning_recorder, local_batch, poisoned_empty
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.1)
 SMALL_BUCKETS = 64 * 1024  # the debug model (~0.6 MB fp32) then spans ~10 buckets
-
-
-def comm_here():
-    return Comm(ParallelContext.from_config(load_config(None, []).parallel))
 
 
 # --------------------------------------------------------------------------- against torch DDP

@@ -8,16 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.comm import Comm
-from meshlm.config import TrainConfig, load_config
-from meshlm.mesh import ParallelContext
+from meshlm.config import TrainConfig
 from meshlm.model.llama import TransformerBlock
 from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class, by_size
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 from meshlm.model.loss import token_loss_sum
 
-from helpers import cli_train_args, debug_model, local_batch, read_metrics, run_meshlm, train_any_module
+from helpers import cli_train_args, comm_here, debug_model, local_batch, read_metrics, run_meshlm, train_any_module
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
@@ -45,7 +43,7 @@ def _torch_fsdp(steps, reshard_after_forward):
 
 def _meshlm_fsdp(steps, recompute="none", **options):
     model = debug_model(recompute=recompute)
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock), **options)
     grads, most_gathered = None, 0
 

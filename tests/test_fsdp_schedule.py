@@ -8,38 +8,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.comm import Comm
-from meshlm.config import TrainConfig, load_config
-from meshlm.mesh import ParallelContext
+from meshlm.config import TrainConfig
 from meshlm.model.llama import TransformerBlock
 from meshlm.model.loss import token_loss_sum
 from meshlm.parallel.fsdp import FullyShardedDataParallel, by_class, by_size
 from meshlm.testing import run_ranks
 from meshlm.train.optim import build_optimizer
 
-from helpers import local_batch, train_any_module
+from helpers import comm_here, debug_model, local_batch, train_any_module
 
 torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # import dynamo once, before forking ranks
 
 TRAIN = TrainConfig(lr=1e-3, weight_decay=0.1)
 
 
-def _llama(**overrides):
-    from meshlm.config import resolve
-    from meshlm.model import Llama, init_weights
-
-    args = ["model.preset=debug", "train.micro_batch_size=1", "train.global_batch_size=1",
-            *(f"model.{k}={v}" for k, v in overrides.items())]
-    model = Llama(resolve(load_config(None, args)).model)
-    init_weights(model, 7)
-    return model
-
-
 def _root_after_forward_rank(tie):
     """The root unit's storage after a training forward, and whether saved-tensor hooks were
     active while a block ran (they would override a user's own, e.g. activation offloading)."""
-    model = _llama(tie_embeddings=str(tie).lower())
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    model = debug_model(tie_embeddings=str(tie).lower())
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock))
     hooks_in_blocks = []
     model.layers[0].register_forward_pre_hook(
@@ -113,7 +100,7 @@ def _functional_tie_rank(sharded, use):
             optimizer.step()
             optimizer.zero_grad()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, None
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_size(400))  # blocks 416, embedding 320, head 320
     rank, n = dist.get_rank(), dist.get_world_size()
     kept = []
@@ -142,8 +129,8 @@ def test_an_embedding_weight_the_forward_saves_is_kept_and_the_result_equals_one
 def _gather_order_rank(prefetch, forward_prefetch):
     """The order of the unit all-gathers launched, between the forward pre-hooks and the
     backward pre-hooks (the output-gradient hooks) that trigger them."""
-    model = _llama(n_layers=3)
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    model = debug_model(n_layers=3)
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock),
                                     prefetch=prefetch, forward_prefetch=forward_prefetch)
     events, in_flight = [], []
@@ -197,11 +184,11 @@ def test_each_unit_is_gathered_once_the_unit_before_it_starts(prefetch, forward_
 
 
 def _evaluation_rank():
-    model = _llama()
+    model = debug_model()
     inputs, _, _ = local_batch(0, dist.get_rank(), dist.get_world_size())
     with torch.no_grad():
         reference = model(inputs)
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock))
     gathered = []
     for block in model.layers:
@@ -255,7 +242,7 @@ class WithUnused(nn.Module):
 
 def _unused_rank():
     torch.manual_seed(0)
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(WithUnused(), comm, TRAIN, policy=by_class(nn.Linear))
     seen = []
     for _ in range(2):
@@ -285,7 +272,7 @@ class EarlyExit(nn.Module):
 
 def _early_exit_rank():
     torch.manual_seed(0)
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     fsdp = FullyShardedDataParallel(EarlyExit(), comm, TRAIN, policy=by_class(nn.Linear), forward_prefetch=True)
     with torch.no_grad():
         fsdp.module(torch.ones(2, 4), stop_early=True)

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from meshlm.config import TrainConfig, load_config, resolve
-from meshlm.mesh import ParallelContext
 from meshlm.model import Llama, init_weights
 from meshlm.testing import run_ranks
 from meshlm.model.loss import token_loss_sum
 
-from helpers import (UnevenlyMaskedLoader, build_trainer, plain_pytorch_reference, poisoned_empty, small_cfg,
-                     target_counts)
+from helpers import (UnevenlyMaskedLoader, build_trainer, comm_here, plain_pytorch_reference, poisoned_empty,
+                     small_cfg, target_counts)
 
 STEPS = 5
 # The first optimizer a process builds imports torch._dynamo (seconds); do it once here, so the
@@ -159,9 +158,7 @@ def _build_and_step(zero, dtype, comm):
 
 def _state_bytes_rank(configs):
     """For each (zero, dtype): (parameter count, live bytes after one step, the engine's account)."""
-    from meshlm.comm import Comm
-
-    comm = Comm(ParallelContext.from_config(load_config(None, []).parallel))
+    comm = comm_here()
     baseline = live_tensor_bytes()
     out = []
     for zero, dtype in configs:
