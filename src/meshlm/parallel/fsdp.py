@@ -187,7 +187,7 @@ class FullyShardedDataParallel:
                 try:
                     same = t.untyped_storage().data_ptr() == ptr
                 except RuntimeError:  # no plain storage: a jagged nested tensor, a sparse one
-                    same = False      # (whose NotImplementedError is a RuntimeError)
+                    same = False      # (a sparse tensor's error subclasses RuntimeError)
                 if same:
                     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
                     if (t.storage_offset() + extent) * t.element_size() > tail_byte:
