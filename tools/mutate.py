@@ -101,6 +101,23 @@ MODULES = {
     # Ring attention: against full causal attention (GQA, fused and not), the load-balanced layout,
     # a CP run against one process, ring bytes against the formula.
     "context": ("src/meshlm/parallel/context.py", ["tests/test_context_parallel.py", "-k", "not loss_curve"]),
+    # The pipeline engine: every schedule against one process (pp 2-8, fewer micro-batches than
+    # stages, recompute, dp x pp, tied embeddings with ZeRO, a stage without parameters; with
+    # sequence-parallel boundaries) and against torch.distributed.pipelining; deferred weight
+    # gradients and where they run; the engine's contract (no_sync, batching, timings, ordering).
+    "engine": ("src/meshlm/parallel/pipeline/engine.py", [
+        "tests/test_pipeline.py", "tests/test_deferred_wgrad.py", "tests/test_pipeline_engine.py",
+        "tests/test_pipeline_sim.py", "tests/test_composition.py::test_dp_tp_sp_pp_on_eight_ranks_equals_one_process[1]",
+        "-k", "not loss_curve"]),
+    # Checkpoint files: atomic directories, manifests and checksums, rotation, the rectangle
+    # reader; resume and reshard against the uninterrupted run, corruption and crashes.
+    "store": ("src/meshlm/train/checkpoint/store.py", [
+        "tests/test_checkpoint.py", "tests/test_checkpoint_cli.py",
+        "-k", "not killed_rank and not signal and not ctrl_c"]),
+    # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
+    # sizing and fallbacks.
+    "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
+                                                          "-k", "not bench"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [

@@ -1,0 +1,174 @@
+"""The pipeline engine's own contract, which a "same numbers as one process" test cannot see:
+where the data-parallel reduction may overlap (only the rank's last backward outside `no_sync`),
+that reduce_grads and the optimizer step run once, in that order, after every send finished; how
+sends and receives are batched on gloo and on NCCL; what the run's timings add up to; which op
+can start without waiting; and a bad schedule's message."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from meshlm.parallel.pipeline.engine import PipelineEngine, _Clock
+from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRADS,
+                                                SEND_ACT, Instruction)
+from meshlm.testing import RankFailure, run_ranks
+
+MICROBATCHES = 4
+
+
+def _engine(rank: int):
+    from meshlm.bench.pp import build_stage
+    from meshlm.comm import Comm
+    from meshlm.config import load_config, resolve
+    from meshlm.mesh import Layout, ParallelContext
+    from meshlm.parallel.pipeline.p2p import PipelineP2P
+
+    ctx = ParallelContext(Layout(pp=2))
+    cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),
+                  world_size=2)
+    stage, _ = build_stage(cfg, 2, ctx.rank, 1, ctx.device)
+    return PipelineEngine(stage, PipelineP2P(Comm(ctx))), stage
+
+
+def _microbatches():
+    tokens = torch.randint(0, 512, (MICROBATCHES, 17), generator=torch.Generator().manual_seed(0))
+    return list(zip(tokens[:, :-1].chunk(MICROBATCHES), tokens[:, 1:].chunk(MICROBATCHES)))
+
+
+class _RecordedHandle:
+    """A posted batch's handle that records when the engine learns it finished."""
+
+    def __init__(self, handle, events: list, posted: int) -> None:
+        self.handle, self.events, self.posted = handle, events, posted
+
+    def is_completed(self) -> bool:
+        done = self.handle.is_completed()
+        if done:
+            self.events.append(("done", self.posted))
+        return done
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.events.append(("done", self.posted))
+
+
+def _recorded_run(kind: str, nccl_batching: bool = False):
+    """One training run of `kind` at pp=2 on this rank: the engine's calls, in order."""
+    import torch.distributed as dist
+
+    from meshlm.model.loss import token_loss_sum
+    from meshlm.parallel.pipeline.schedules import build_schedule
+
+    rank = dist.get_rank()
+    engine, stage = _engine(rank)
+    if nccl_batching:
+        engine.split_sends = False
+    events, state = [], {"no_sync": False}
+    post = engine.p2p.post
+
+    def recorded_post(ops):
+        events.append(("post", sorted({k for k, _, _ in ops})))
+        return _RecordedHandle(post(ops), events, len(events) - 1)
+
+    engine.p2p.post = recorded_post
+
+    @contextlib.contextmanager
+    def no_sync():
+        state["no_sync"] = True
+        try:
+            yield
+        finally:
+            state["no_sync"] = False
+
+    # Every backward accumulates into this stage's last parameter: record whether it was synced.
+    last_param = [p for p in stage.parameters()][-1]
+    last_param.register_post_accumulate_grad_hook(lambda p: events.append(("grad", state["no_sync"])))
+    program = build_schedule(kind, 2, MICROBATCHES, 1)[rank]
+    stats = engine.run(program, _microbatches(), loss_fn=token_loss_sum, loss_divisor=64.0, no_sync=no_sync,
+                       reduce_grads=lambda: events.append(("reduce",)),
+                       optimizer_step=lambda: events.append(("step",)))
+    dist.barrier()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    counts = {op: sum(ins.op == op for ins in program) for op in (FORWARD, BACKWARD, RECV_ACT, RECV_GRAD)}
+    return events, stats, grads, counts
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_only_the_last_backward_syncs_then_reduce_and_step_run_once_after_every_send(kind):
+    for events, stats, _, counts in run_ranks(_recorded_run, 2, kind, timeout=60):
+        synced = [e[1] for e in events if e[0] == "grad"]
+        assert synced == [True] * (counts[BACKWARD] - 1) + [False]  # DP overlaps the last backward only
+        tail = [e for e in events if e[0] in ("reduce", "step")]
+        assert tail == [("reduce",), ("step",)]
+        reduce = events.index(("reduce",))
+        assert reduce > max(i for i, e in enumerate(events) if e[0] in ("post", "grad"))
+        sends = {i for i, e in enumerate(events) if e[0] == "post" and "send" in e[1]}
+        assert sends and sends <= {e[1] for e in events[:reduce] if e[0] == "done"}  # the step's wall time ends here
+
+
+def test_timings_add_up_and_count_every_op_and_wait():
+    for _, stats, _, counts in run_ranks(_recorded_run, 2, "1f1b", timeout=60):
+        assert len(stats.forward_s) == counts[FORWARD] and len(stats.backward_s) == counts[BACKWARD]
+        assert len(stats.recv_wait_s) == counts[RECV_ACT] + counts[RECV_GRAD] == MICROBATCHES
+        assert stats.busy_s == pytest.approx(sum(stats.forward_s) + sum(stats.backward_s), rel=1e-12)
+        assert 0 < stats.busy_s <= stats.wall_s
+        assert not stats.weight_s
+
+
+def test_gloo_posts_receives_apart_from_sends_and_the_nccl_batching_computes_the_same():
+    split = run_ranks(_recorded_run, 2, "1f1b", timeout=60)
+    together = run_ranks(_recorded_run, 2, "1f1b", True, timeout=60)
+    for (events, *_), (joined, *_) in zip(split, together):
+        posts = [e[1] for e in events if e[0] == "post"]
+        assert posts and all(len(kinds) == 1 for kinds in posts)  # a receive never waits on a send
+        assert any(len(e[1]) == 2 for e in joined if e[0] == "post")
+    for (_, a, grads, _), (_, b, same, _) in zip(split, together):
+        assert a.loss_sum.item() == b.loss_sum.item()
+        assert all(torch.equal(grads[n], same[n]) for n in grads)
+
+
+def _bad_program():
+    import torch.distributed as dist
+
+    from meshlm.model.loss import token_loss_sum
+
+    engine, _ = _engine(dist.get_rank())
+    # The last stage forwards micro-batch 1 without ever receiving its activation.
+    program = [Instruction(FORWARD, 1, 0)] if dist.get_rank() == 1 else []
+    engine.run(program, _microbatches(), loss_fn=token_loss_sum)
+
+
+def test_a_schedule_that_uses_an_activation_before_receiving_it_names_it():
+    with pytest.raises(RankFailure, match=r"recv_act 1\.0: used before it was received"):
+        run_ranks(_bad_program, 2, timeout=60)
+
+
+class _Handle:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_an_op_is_ready_when_its_own_input_has_arrived():
+    ready = PipelineEngine._input_ready
+    arrived, on_its_way = _Handle(True), _Handle(False)
+    handles = {(RECV_ACT, 0, 1): on_its_way, (RECV_GRAD, 0, 1): arrived, (RECV_GRAD, 0, 2): on_its_way}
+    assert not ready(Instruction(FORWARD, 1, 0), handles)
+    assert ready(Instruction(BACKWARD, 1, 0), handles)
+    assert not ready(Instruction(BACKWARD, 2, 0), handles)
+    assert ready(Instruction(FORWARD, 3, 0), handles)  # nothing to receive (first stage, or posted later)
+    assert not ready(Instruction(REDUCE_GRADS), handles)  # owed weight gradients go before reductions
+    assert not ready(Instruction(OPTIMIZER_STEP), handles)
+    assert not ready(Instruction(SEND_ACT, 1, 0, peer=1), handles)
+
+
+def test_the_cuda_clock_converts_event_milliseconds_to_seconds():
+    clock = _Clock(torch.device("cuda"))  # constructing it touches no GPU
+    start = SimpleNamespace(elapsed_time=lambda end: end.ms)
+    end = SimpleNamespace(ms=1500.0, synchronize=lambda: None)
+    assert clock.seconds(start, end) == 1.5
+    assert _Clock(torch.device("cpu")).seconds(2.0, 2.25) == 0.25
