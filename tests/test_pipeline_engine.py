@@ -18,7 +18,7 @@ from meshlm.testing import RankFailure, run_ranks
 MICROBATCHES = 4
 
 
-def _engine(rank: int):
+def _engine(rank: int, defer: bool = False):
     from meshlm.bench.pp import build_stage
     from meshlm.comm import Comm
     from meshlm.config import load_config, resolve
@@ -29,7 +29,7 @@ def _engine(rank: int):
     cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),
                   world_size=2)
     stage, _ = build_stage(cfg, 2, ctx.rank, 1, ctx.device)
-    return PipelineEngine(stage, PipelineP2P(Comm(ctx))), stage
+    return PipelineEngine(stage, PipelineP2P(Comm(ctx)), defer_weight_grads=defer), stage
 
 
 def _microbatches():
@@ -129,20 +129,78 @@ def test_gloo_posts_receives_apart_from_sends_and_the_nccl_batching_computes_the
         assert all(torch.equal(grads[n], same[n]) for n in grads)
 
 
-def _bad_program():
+class _CountingClock:
+    """Each mark one tick later than the last: every timed op lasts exactly one tick, so what the
+    engine adds up can be compared exactly."""
+
+    def __init__(self, device) -> None:
+        self.now = 0
+
+    def mark(self) -> int:
+        self.now += 1
+        return self.now
+
+    def seconds(self, a: int, b: int) -> float:
+        return float(b - a)
+
+
+def _counted_run(defer: bool):
+    import torch.distributed as dist
+
+    import meshlm.parallel.pipeline.engine as engine_module
+    from meshlm.model.loss import token_loss_sum
+    from meshlm.parallel.pipeline.schedules import build_schedule
+
+    engine_module._Clock = _CountingClock  # the forked rank's own copy of the module
+    engine, _ = _engine(dist.get_rank(), defer)
+    stats = engine.run(build_schedule("1f1b", 2, MICROBATCHES, 1)[dist.get_rank()], _microbatches(),
+                       loss_fn=token_loss_sum)
+    dist.barrier()
+    return stats
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_each_op_is_timed_once_and_deferred_weight_gradients_count_toward_the_backward_that_owed_them(defer):
+    first, last = run_ranks(_counted_run, 2, defer, timeout=60)
+    for stats in (first, last):
+        assert stats.forward_s == [1.0] * MICROBATCHES and stats.recv_wait_s == [1.0] * MICROBATCHES
+        assert stats.busy_s == sum(stats.forward_s) + sum(stats.backward_s)
+    assert first.backward_s == [1.0] * MICROBATCHES and not first.weight_s  # stage 0 sends no gradient
+    # The last stage defers its last backward's weight gradients: one flush, one tick, owed by it.
+    assert last.backward_s == [1.0] * (MICROBATCHES - 1) + [2.0 if defer else 1.0]
+    assert last.weight_s == ([1.0] if defer else [])
+    # Wall time: the first mark to the one before reduce_grads (each op two marks, each wait two).
+    assert last.wall_s == 2 * (2 * MICROBATCHES + MICROBATCHES + defer) + 1
+
+
+def _bad_program(kind: str):
     import torch.distributed as dist
 
     from meshlm.model.loss import token_loss_sum
 
-    engine, _ = _engine(dist.get_rank())
-    # The last stage forwards micro-batch 1 without ever receiving its activation.
-    program = [Instruction(FORWARD, 1, 0)] if dist.get_rank() == 1 else []
+    engine, stage = _engine(dist.get_rank())
+    if kind == "unreceived":  # the last stage forwards micro-batch 1 without receiving its activation
+        program = [Instruction(FORWARD, 1, 0)] if dist.get_rank() == 1 else []
+    else:  # the first stage's output is longer than the sequence the stages agreed on
+        forward = stage.forward
+        stage.forward = lambda x, chunk, seq_len: torch.cat([forward(x, chunk, seq_len=seq_len)] * 2, dim=1)
+        program = [Instruction(FORWARD, 0, 0)] if dist.get_rank() == 0 else []
     engine.run(program, _microbatches(), loss_fn=token_loss_sum)
 
 
-def test_a_schedule_that_uses_an_activation_before_receiving_it_names_it():
-    with pytest.raises(RankFailure, match=r"recv_act 1\.0: used before it was received"):
-        run_ranks(_bad_program, 2, timeout=60)
+@pytest.mark.parametrize("kind,message", [
+    ("unreceived", r"recv_act 1\.0: used before it was received"),
+    ("long", r"chunk 0 produced activations of \[1, 32, 64\] torch.float32; the stages agreed on"),
+])
+def test_a_bad_schedule_or_stage_is_named_instead_of_hanging(kind, message):
+    with pytest.raises(RankFailure, match=message):
+        run_ranks(_bad_program, 2, kind, timeout=60)
+
+
+@pytest.mark.parametrize("backend,split", [("gloo", True), ("nccl", False), ("mpi", False)])
+def test_only_gloo_posts_receives_and_sends_as_separate_batches(backend, split):
+    ctx = SimpleNamespace(device=torch.device("cpu"), backend=backend)
+    assert PipelineEngine(None, SimpleNamespace(ctx=ctx)).split_sends is split
 
 
 class _Handle:
@@ -171,4 +229,4 @@ def test_the_cuda_clock_converts_event_milliseconds_to_seconds():
     start = SimpleNamespace(elapsed_time=lambda end: end.ms)
     end = SimpleNamespace(ms=1500.0, synchronize=lambda: None)
     assert clock.seconds(start, end) == 1.5
-    assert _Clock(torch.device("cpu")).seconds(2.0, 2.25) == 0.25
+    assert _Clock(torch.device("cpu")).seconds(1.0, 3.5) == 2.5

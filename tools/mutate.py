@@ -112,8 +112,9 @@ MODULES = {
     # Checkpoint files: atomic directories, manifests and checksums, rotation, the rectangle
     # reader; resume and reshard against the uninterrupted run, corruption and crashes.
     "store": ("src/meshlm/train/checkpoint/store.py", [
-        "tests/test_checkpoint.py", "tests/test_checkpoint_cli.py",
-        "-k", "not killed_rank and not signal and not ctrl_c"]),
+        "tests/test_checkpoint_store.py", "tests/test_checkpoint.py", "tests/test_checkpoint_cli.py",
+        "-k", "store or single_process_resume or chain or background or stored_tensors or corrupt or no_good or "
+              "bad_resume or fresh_start or async_save"]),
     # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
