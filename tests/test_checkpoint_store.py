@@ -14,7 +14,7 @@ from safetensors import safe_open
 from meshlm.train.checkpoint.pieces import Rect
 from meshlm.train.checkpoint.store import (FORMAT_VERSION, MANIFEST, META, CheckpointError, CheckpointReader,
                                            clear_stale_temporaries, finalize, list_checkpoints, newest_good,
-                                           rank_file, read_manifest, rotate, step_dir_name, verify,
+                                           rank_file, read_manifest, read_meta, rotate, step_dir_name, verify,
                                            write_bytes_synced, write_safetensors, write_tensors_synced)
 
 MIXED = {"f32": torch.arange(6, dtype=torch.float32).view(2, 3) / 7, "bf16": torch.linspace(-1, 1, 5).bfloat16(),
@@ -42,6 +42,8 @@ def test_a_tensor_unlike_its_header_entry_is_refused_by_name(tmp_path):
     layout = {"a": (torch.float32, (2, 2)), "b": (torch.float32, (3,))}
     with pytest.raises(ValueError, match=r"^b: got torch.float32 \(4,\)"):
         write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(4))
+    with pytest.raises(ValueError, match=r"^b: got torch.float32 \(2,\)"):  # shorter than the header says
+        write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(2))
     with pytest.raises(ValueError, match=r"^a: got torch.float64"):
         write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2, dtype=torch.float64))
 
@@ -65,6 +67,9 @@ def test_finalize_writes_the_manifest_last_and_replaces_an_earlier_save_of_the_s
     assert list(manifest["files"]) == ["a.bin", "b.bin", META]  # sorted, the manifest itself not listed
     assert not (second / "gone.bin").exists() and (second / "b.bin").read_bytes() == b"new"
     assert verify(second) is None
+    assert read_meta(second) == {"step": 7}
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        read_meta(tmp_path)
 
 
 def test_discovery_orders_by_step_number_and_rotation_keeps_the_newest(tmp_path):
@@ -92,6 +97,7 @@ def test_discovery_orders_by_step_number_and_rotation_keeps_the_newest(tmp_path)
     (lambda d: (d / MANIFEST).unlink(), "no manifest.json (not a checkpoint, or its save never finished)"),
     (lambda d: (d / MANIFEST).write_text("{"), "manifest.json: unreadable"),
     (lambda d: (d / MANIFEST).write_text('{"format": "other", "files": {}}'), "not a meshlm checkpoint manifest"),
+    (lambda d: (d / MANIFEST).write_text('{"format": "a", "files": {}}'), "not a meshlm checkpoint manifest"),
     (lambda d: (d / MANIFEST).write_text('{"format": "meshlm-checkpoint", "files": []}'),
      "not a meshlm checkpoint manifest"),
     (lambda d: (d / MANIFEST).write_text('{"format": "meshlm-checkpoint", "version": 99, "files": {}}'),
