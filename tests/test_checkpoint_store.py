@@ -129,13 +129,15 @@ def test_each_share_hashes_its_own_files_and_the_shares_cover_all(tmp_path):
         _checkpoint(tmp_path, 1, {name: name.encode() for name in names})  # repaired
 
 
-def _pieced(tmp_path):
+def _pieced(tmp_path, twice: bool = False):
     """A checkpoint of a 6 x 4 tensor `w` split over two rank files into three rectangles, and a
-    1-D `b` in one; rank 1 also holds an RNG state."""
+    1-D `b` in one; rank 1 also holds an RNG state. `twice`: both ranks wrote the top-left piece
+    (as two replicas would if both thought they owned it)."""
     w = torch.arange(24, dtype=torch.float32).view(6, 4)
     b = torch.arange(4, dtype=torch.float32) - 10
     pieces = {0: [("master/w/0,0", w[:4, :2], (0, 0)), ("master/b/0,0", b.view(1, 4), (0, 0))],
-              1: [("master/w/0,2", w[:4, 2:], (0, 2)), ("master/w/4,0", w[4:], (4, 0))]}
+              1: [("master/w/0,2", w[:4, 2:], (0, 2)), ("master/w/4,0", w[4:], (4, 0)),
+                  *([("master/w/0,0", w[:4, :2], (0, 0))] if twice else [])]}
     tmp = tmp_path / ".tmp_step_0000001"
     tmp.mkdir()
     entries = {META: write_bytes_synced(tmp / META, json.dumps({"shapes": {"w": [6, 4], "b": [4]}}).encode())}
@@ -168,6 +170,13 @@ def test_the_reader_refuses_what_was_not_stored_and_serves_whole_and_per_rank_te
         reader.read("master", "w", Rect(5, 0, 2, 4), torch.empty(2, 4))  # one row beyond the tensor
     assert torch.equal(reader.rank_tensor(1, "rng/cpu"), torch.arange(3, dtype=torch.uint8))
     assert reader.rank_tensor(0, "rng/cpu") is None and reader.rank_tensor(2, "rng/cpu") is None
+
+
+def test_elements_stored_twice_are_refused_too(tmp_path):
+    reader, *_ = _pieced(tmp_path, twice=True)
+    with pytest.raises(CheckpointError, match=r"master of w rows 0\.\.6 cols 0\.\.4: 32 of 24 elements stored"):
+        reader.full("master", "w")
+    reader.read("master", "w", Rect(4, 0, 2, 4), torch.empty(2, 4))  # rows no replica wrote twice: fine
 
 
 def test_a_damaged_rank_file_header_is_one_checkpoint_error(tmp_path):
