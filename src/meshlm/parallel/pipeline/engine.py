@@ -62,10 +62,6 @@ class RunStats:
     recv_wait_s: list[float] = field(default_factory=list)  # each wait for a received batch
     weight_s: list[float] = field(default_factory=list)  # each flush of deferred weight gradients
 
-    @property
-    def idle_s(self) -> float:
-        return max(0.0, self.wall_s - self.busy_s)
-
 
 class _Clock:
     """Host time on CPU; CUDA events on GPU (host timestamps would only time the launches),
