@@ -2,7 +2,7 @@
 where the data-parallel reduction may overlap (only the rank's last backward outside `no_sync`),
 that reduce_grads and the optimizer step run once, in that order, after every send finished; how
 sends and receives are batched on gloo and on NCCL; what the run's timings add up to; which op
-can start without waiting; and a bad schedule's message."""
+can start without waiting; and how a bad schedule or stage is named."""
 
 import contextlib
 from types import SimpleNamespace

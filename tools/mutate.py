@@ -119,6 +119,14 @@ MODULES = {
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
                                                           "-k", "not bench"]),
+    # The memory model: against the measured per-rank peak (every ZeRO stage, the pipeline's
+    # micro-batches in flight), the published tables and formulas (ZeRO paper, Korthikanti et al.).
+    "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory.py", "tests/test_memory_published.py"]),
+    # The pipeline simulator: the schedules' published bubbles, the engine's semantics, and the
+    # step metrics it predicts from measured op costs.
+    "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
+        "tests/test_pipeline_sim.py", "tests/test_pipeline_metrics.py", "tests/test_plan.py", "-k",
+        "not cli and not bad_input"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
