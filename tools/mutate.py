@@ -118,7 +118,7 @@ MODULES = {
     # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
-                                                          "-k", "not bench"]),
+                                                          "tests/test_shared_memory_window.py", "-k", "not bench"]),
     # The memory model: against the measured per-rank peak (every ZeRO stage, the pipeline's
     # micro-batches in flight), the published tables and formulas (ZeRO paper, Korthikanti et al.).
     "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory.py", "tests/test_memory_published.py"]),
