@@ -224,3 +224,25 @@ def test_every_preset_has_a_prediction(dtype):
         n = sum(rank_parameters(cfg, 0).values())
         assert role.params_bytes == 4 * n and role.optimizer_bytes == 8 * n  # DDP: fp32 weights, AdamW
         assert report.peak_bytes > 12 * n + role.activations_bytes
+
+
+def test_the_fixed_bytes_are_the_models_rope_tables_and_one_pipeline_stage_is_every_rank():
+    """Terms too small to move a peak of the grid by 10% (the peak test cannot see them): the RoPE
+    tables (a function of model.max_seq_len alone) against the model's own buffers, exactly."""
+    import torch
+
+    from meshlm.config import load_config, resolve
+    from meshlm.model import Llama
+
+    def resolved(max_seq_len):
+        return resolve(load_config(None, ["model.preset=debug", f"model.max_seq_len={max_seq_len}",
+                                          "train.seq_len=64"]), world_size=1)
+
+    def rope_bytes(cfg):
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        return sum(b.numel() * b.element_size() for b in model.buffers())
+
+    short, long = resolved(256), resolved(1024)
+    assert predict(long).peak_bytes - predict(short).peak_bytes == rope_bytes(long) - rope_bytes(short) > 0
+    assert [r.role for r in predict(short).ranks] == ["every rank"]
