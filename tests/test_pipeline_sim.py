@@ -117,3 +117,49 @@ def test_deferring_weight_gradients_never_lengthens_a_step(kind, pp, v):
         plain = simulate_schedule(kind, pp, m, v, costs=OpCosts(forward, backward, p2p)).step_time
         deferred = simulate_schedule(kind, pp, m, v, costs=OpCosts(forward, backward, p2p, weight)).step_time
         assert deferred <= plain + 1e-9, (forward, backward, m, p2p, weight)
+
+
+def _drawn(monkeypatch, tmp_path, result, **kwargs):
+    """The figure draw_timeline saves, captured instead of written."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from meshlm.analysis.pipeline_sim import draw_timeline
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    draw_timeline(result, str(tmp_path / "t.png"), **kwargs)
+    return saved[0]
+
+
+@pytest.mark.parametrize("kind,v,weight", [("interleaved", 2, 0.5), ("gpipe", 1, 0.0)])
+def test_the_timeline_draws_every_span_where_it_ran_in_its_colour(monkeypatch, tmp_path, kind, v, weight):
+    result = simulate_schedule(kind, 2, 4, v, costs=OpCosts(forward=[1.0, 2.0], weight_fraction=weight))
+    fig = _drawn(monkeypatch, tmp_path, result, measured_bubble=0.25)
+    ax = fig.axes[0]
+    assert ax.get_title() == (f"{kind} pp=2 m=4{' v=2' if v > 1 else ''} — bubble {result.bubble_fraction:.1%} "
+                              f"(measured 25.0%)")
+    assert ax.get_ylim() == (1.5, -0.5) and ax.get_xlim() == (0, result.step_time)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert 6.0 <= fig.get_size_inches()[0] <= 18.0 and fig.get_size_inches()[1] == pytest.approx(0.55 * 2 + 1.3)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "backward", *(["deferred weight gradients"] if weight else []),
+                      *(["lighter: later chunk"] if v > 1 else [])]
+    base = {"forward": (0.20, 0.45, 0.80), "backward": (0.20, 0.62, 0.30), "weight": (0.55, 0.40, 0.70)}
+    assert len(ax.collections) == len(ax.texts) == len(result.spans)
+    for span, bar, label in zip(result.spans, ax.collections, ax.texts):
+        shade = 0.45 * span.chunk / (v - 1) if v > 1 else 0.0  # later chunks lighter
+        assert tuple(bar.get_facecolor()[0][:3]) == pytest.approx([c + (1 - c) * shade for c in base[span.op]])
+        (x0, y0), (x1, y1) = bar.get_paths()[0].vertices.min(0), bar.get_paths()[0].vertices.max(0)
+        assert (x0, x1, y0, y1) == pytest.approx((span.start, span.end, span.rank - 0.4, span.rank + 0.4))
+        assert label.get_text() == str(span.microbatch)
+        assert label.get_position() == pytest.approx(((span.start + span.end) / 2, span.rank))
+
+
+def test_the_text_report_has_a_row_per_rank(capsys):
+    assert main(["--schedule", "interleaved", "--pp", "2", "--microbatches", "4", "--virtual", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("interleaved pp=2 m=4 v=2: step time")
+    result = simulate_schedule("interleaved", 2, 4, 2)
+    assert [line.split() for line in lines[2:]] == [[str(r), f"{result.busy[r]:.3f}", f"{result.idle[r]:.3f}",
+                                                     str(result.peak_inflight[r])] for r in range(2)]
