@@ -95,6 +95,9 @@ def test_cli_works_without_matplotlib_unless_asked_to_draw(monkeypatch, capsys, 
     ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--forward-cost", "-1"],
     ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--out", "timeline.jpg"],
     ["--schedule", "zigzag", "--pp", "2", "--microbatches", "4"],
+    ["--pp", "2", "--microbatches", "4"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--forward-cost", "0"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--weight-fraction", "1"],
 ])
 def test_cli_bad_usage_exits_2_with_one_line(args, capsys):
     assert main(args) == 2
@@ -132,12 +135,12 @@ def _drawn(monkeypatch, tmp_path, result, **kwargs):
     return saved[0]
 
 
-@pytest.mark.parametrize("kind,v,weight", [("interleaved", 2, 0.5), ("gpipe", 1, 0.0)])
+@pytest.mark.parametrize("kind,v,weight", [("interleaved", 2, 0.5), ("interleaved", 3, 0.0), ("gpipe", 1, 0.0)])
 def test_the_timeline_draws_every_span_where_it_ran_in_its_colour(monkeypatch, tmp_path, kind, v, weight):
     result = simulate_schedule(kind, 2, 4, v, costs=OpCosts(forward=[1.0, 2.0], weight_fraction=weight))
     fig = _drawn(monkeypatch, tmp_path, result, measured_bubble=0.25)
     ax = fig.axes[0]
-    assert ax.get_title() == (f"{kind} pp=2 m=4{' v=2' if v > 1 else ''} — bubble {result.bubble_fraction:.1%} "
+    assert ax.get_title() == (f"{kind} pp=2 m=4{f' v={v}' if v > 1 else ''} — bubble {result.bubble_fraction:.1%} "
                               f"(measured 25.0%)")
     assert ax.get_ylim() == (1.5, -0.5) and ax.get_xlim() == (0, result.step_time)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
@@ -154,6 +157,11 @@ def test_the_timeline_draws_every_span_where_it_ran_in_its_colour(monkeypatch, t
         assert (x0, x1, y0, y1) == pytest.approx((span.start, span.end, span.rank - 0.4, span.rank + 0.4))
         assert label.get_text() == str(span.microbatch)
         assert label.get_position() == pytest.approx(((span.start + span.end) / 2, span.rank))
+
+
+def test_the_json_has_the_spans_only_when_asked():
+    result = simulate_schedule("1f1b", 2, 2)
+    assert "spans" not in result.to_dict() and len(result.to_dict(spans=True)["spans"]) == len(result.spans) == 8
 
 
 def test_the_text_report_has_a_row_per_rank(capsys):

@@ -125,7 +125,7 @@ MODULES = {
     # The pipeline simulator: the schedules' published bubbles, the engine's semantics, and the
     # step metrics it predicts from measured op costs.
     "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
-        "tests/test_pipeline_sim.py", "tests/test_pipeline_metrics.py",
+        "tests/test_pipeline_sim.py", "tests/test_pipeline_metrics.py", "tests/test_pipeline_schedules.py",
         "tests/test_plan.py::test_long_pipelines_extend_the_simulation_by_steady_state_cycles"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
