@@ -222,6 +222,15 @@ def _sample(session: Path, size: int) -> dict | None:
     return {"sampled": size, "of": len(pending)}
 
 
+def _remove_orphaned_windows() -> None:
+    """Mutants that break `SharedWindow.open`, or time out inside it, leave its /dev/shm file
+    (comm/shared_memory.py): delete those whose creating process is gone."""
+    for path in Path("/dev/shm").glob("meshlm-*-*"):
+        pid = int(path.name.split("-")[1])
+        if not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 def run_module(name: str, sample: int) -> dict:
     module, test_args = MODULES[name]
     workdir = OUT / name
@@ -251,6 +260,7 @@ def run_module(name: str, sample: int) -> dict:
     t0 = time.perf_counter()
     _cosmic_ray("cosmic-ray", "exec", str(config), str(session), cwd=workdir, env=env)
     summary = _summarise(name, module, test_args, session, workdir, env)
+    _remove_orphaned_windows()
     summary["sample"] = sampled
     summary["seconds"] = round(time.perf_counter() - t0)
     summary["baseline_seconds"] = round(baseline_s, 1)
@@ -284,6 +294,7 @@ def recheck_survivors(name: str) -> dict:
     t0 = time.perf_counter()
     _cosmic_ray("cosmic-ray", "exec", str(config), str(session), cwd=workdir, env=env)
     summary = _summarise(name, module, test_args, session, workdir, env)
+    _remove_orphaned_windows()
     summary.update(sample=previous["sample"], baseline_seconds=previous["baseline_seconds"],
                    seconds=previous["seconds"] + round(time.perf_counter() - t0))
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
