@@ -226,8 +226,8 @@ def _remove_orphaned_windows() -> None:
     """Mutants that break `SharedWindow.open`, or time out inside it, leave its /dev/shm file
     (comm/shared_memory.py): delete those whose creating process is gone."""
     for path in Path("/dev/shm").glob("meshlm-*-*"):
-        pid = int(path.name.split("-")[1])
-        if not Path(f"/proc/{pid}").exists():
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             path.unlink(missing_ok=True)
 
 
