@@ -35,8 +35,8 @@ posix_fallocate, so a full /dev/shm is an error now, not a SIGBUS later) and unl
 rank has mapped it, inside `open`: nothing is left behind, whatever way the job ends, unless a
 rank is killed during `open` itself (a file meshlm-PID-*: delete it once process PID is gone).
 Copies to and from the window run outside any dispatch mode: like gloo's own buffers, it is
-library memory, not tensors a step allocates (train/memtrack.py), and the reduce-scatter needs no scratch tensors, unlike
-the rings (analysis/memory.py: backend "shm").
+library memory, not tensors a step allocates (train/memtrack.py), and the reduce-scatter needs
+no scratch tensors, unlike the rings (analysis/memory.py: backend "shm").
 """
 
 from __future__ import annotations
