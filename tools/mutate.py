@@ -119,6 +119,12 @@ MODULES = {
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
                                                           "tests/test_shared_memory_window.py", "-k", "not bench"]),
+    # The trainer's pipeline seam: every schedule against one process (losses, gradients, tied
+    # embeddings across stages under every ZeRO stage, evaluation, gathered weights), the step
+    # metrics against their definitions, a pipeline checkpoint's stored weights.
+    "runner": ("src/meshlm/parallel/pipeline/runner.py", [
+        "tests/test_pipeline.py", "tests/test_pipeline_metrics.py",
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
     # The memory model: against the measured per-rank peak (every ZeRO stage, the pipeline's
     # micro-batches in flight), the published tables and formulas (ZeRO paper, Korthikanti et al.).
     "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory.py", "tests/test_memory_published.py"]),
