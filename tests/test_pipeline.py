@@ -154,7 +154,8 @@ def _tied_zero_rank(corpus, run_dir, extra):
     own = trainer.dp.full_state_dict()
     copy = own.get("output.weight" if trainer.ctx.coord("pp") == 1 else "tok_embeddings.weight")
     return {"losses": losses, "full": {k: v.clone() for k, v in full.items()} if trainer.ctx.rank == 0 else None,
-            "copy": None if copy is None else copy.clone(), "pp": trainer.ctx.coord("pp")}
+            "copy": None if copy is None else copy.clone(), "pp": trainer.ctx.coord("pp"),
+            "defers": trainer.pipeline.engine.weight_grads is not None}
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -174,6 +175,8 @@ def test_tied_embeddings_across_stages_with_zero(corpus, tmp_path, tmp_path_fact
     first = [r["copy"] for r in ranks if r["pp"] == 0]
     last = [r["copy"] for r in ranks if r["pp"] == 1]
     assert all(torch.equal(a, b) for a in first for b in last)
+    # ZeRO-2/3 reduce inside each backward: they keep the plain backward (docs/pipeline.md).
+    assert all(r["defers"] == (zero <= 1) for r in ranks)
 
 
 def _uneven_rank(corpus, run_dir):

@@ -123,7 +123,7 @@ MODULES = {
     # embeddings across stages under every ZeRO stage, evaluation, gathered weights), the step
     # metrics against their definitions, a pipeline checkpoint's stored weights.
     "runner": ("src/meshlm/parallel/pipeline/runner.py", [
-        "tests/test_pipeline.py", "tests/test_pipeline_metrics.py",
+        "tests/test_pipeline.py", "tests/test_pipeline_runner.py",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
     # The memory model: against the measured per-rank peak (every ZeRO stage, the pipeline's
     # micro-batches in flight), the published tables and formulas (ZeRO paper, Korthikanti et al.).
@@ -131,7 +131,7 @@ MODULES = {
     # The pipeline simulator: the schedules' published bubbles, the engine's semantics, and the
     # step metrics it predicts from measured op costs.
     "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
-        "tests/test_pipeline_sim.py", "tests/test_pipeline_metrics.py", "tests/test_pipeline_schedules.py",
+        "tests/test_pipeline_sim.py", "tests/test_pipeline_runner.py", "tests/test_pipeline_schedules.py",
         "tests/test_plan.py::test_long_pipelines_extend_the_simulation_by_steady_state_cycles"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.

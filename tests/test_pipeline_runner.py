@@ -1,7 +1,10 @@
-"""The pipeline's step metrics, the numbers a user reads to judge a schedule: the measured bubble
-(1 - the ranks' summed busy time over pp x the slowest rank's wall time) and the simulator's
-prediction fed with the op costs this step measured, each written out here from its definition
-and compared with what the runner reports, on made-up timings that differ per rank."""
+"""The pipeline runner's own rules. Its step metrics, the numbers a user reads to judge a
+schedule: the measured bubble (1 - the ranks' summed busy time over pp x the slowest rank's wall
+time) and the simulator's prediction fed with the op costs this step measured, each written out
+here from its definition and compared with what the runner reports, on made-up timings that
+differ per rank (steps shorter than a second, as real ones are). And: a loader that gives another
+number of micro-batches than the schedule has is refused; only the pipeline holding global rank 0
+gathers the full weights."""
 
 from types import SimpleNamespace
 
@@ -18,7 +21,7 @@ from meshlm.testing import run_ranks
 def _timings(rank: int, pp: int, weights: list[float]) -> RunStats:
     """Made-up timings of `rank`; at pp = 2 the first rank waited for nothing."""
     waits = [0.02 + rank / 1000, 0.004 + rank / 1000] if rank else [] if pp == 2 else [0.05]
-    return RunStats(torch.zeros((), dtype=torch.float64), wall_s=1.0 + 0.25 * rank, busy_s=0.5 + 0.1 * rank,
+    return RunStats(torch.zeros((), dtype=torch.float64), wall_s=0.1 + 0.025 * rank, busy_s=0.05 + 0.01 * rank,
                     forward_s=[0.01 * (rank + 1), 0.03 * (rank + 1)], backward_s=[0.05 + rank / 100, 0.07],
                     recv_wait_s=waits, weight_s=weights)
 
@@ -63,3 +66,18 @@ def test_the_bubble_and_its_prediction_are_their_definitions(pp, kind, virtual, 
 
 def test_no_step_yet_reports_nothing():
     assert PipelineRunner.step_metrics(SimpleNamespace(last_stats=None)) == {}
+
+
+@pytest.mark.parametrize("given", [3, 5])
+def test_another_number_of_micro_batches_than_the_schedule_has_is_refused(given):
+    runner = SimpleNamespace(microbatches=4)
+    with pytest.raises(ValueError, match=f"the schedule has 4 micro-batches, the loader gave {given}"):
+        PipelineRunner.forward_backward(runner, [None] * given, 1.0, None, None, None)
+
+
+@pytest.mark.parametrize("coords", [{"tp": 1, "cp": 0, "dp": 0}, {"tp": 0, "cp": 1, "dp": 0},
+                                    {"tp": 0, "cp": 0, "dp": 1}])
+def test_only_the_pipeline_of_global_rank_0_gathers_the_weights(coords):
+    state = {"w": torch.ones(2)}
+    runner = SimpleNamespace(ctx=SimpleNamespace(coords={**coords, "pp": 1}))
+    assert PipelineRunner.gather_full_state(runner, state) is state  # untouched, nothing sent
