@@ -41,9 +41,11 @@ def test_streamed_safetensors_read_back_with_safetensors_and_its_entry_is_the_fi
 def test_a_tensor_unlike_its_header_entry_is_refused_by_name(tmp_path):
     layout = {"a": (torch.float32, (2, 2)), "b": (torch.float32, (3,))}
     with pytest.raises(ValueError, match=r"^b: got torch.float32 \(4,\)"):
-        write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(4))
+        write_safetensors(tmp_path / "t.safetensors", layout,
+                          lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(4))
     with pytest.raises(ValueError, match=r"^b: got torch.float32 \(2,\)"):  # shorter than the header says
-        write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(2))
+        write_safetensors(tmp_path / "t.safetensors", layout,
+                          lambda n: torch.zeros(2, 2) if n == "a" else torch.zeros(2))
     with pytest.raises(ValueError, match=r"^a: got torch.float64"):
         write_safetensors(tmp_path / "t.safetensors", layout, lambda n: torch.zeros(2, 2, dtype=torch.float64))
 
@@ -151,7 +153,8 @@ def _pieced(tmp_path, twice: bool = False):
     return CheckpointReader(tmp_path / "step_0000001"), w, b
 
 
-@pytest.mark.parametrize("rect", [Rect(0, 0, 6, 4), Rect(3, 1, 2, 3), Rect(1, 1, 1, 1), Rect(5, 3, 1, 1), Rect(1, 2, 2, 1),
+@pytest.mark.parametrize("rect", [Rect(0, 0, 6, 4), Rect(3, 1, 2, 3), Rect(1, 1, 1, 1), Rect(5, 3, 1, 1),
+                                  Rect(1, 2, 2, 1),
                                   Rect(0, 2, 6, 2), Rect(3, 0, 3, 4)])
 def test_any_rectangle_is_assembled_from_the_pieces_that_hold_it(tmp_path, rect):
     reader, w, _ = _pieced(tmp_path)
@@ -194,7 +197,8 @@ def test_the_newest_good_checkpoint_is_found_warning_about_each_newer_one(tmp_pa
     (tmp_path / "step_0000003" / "x.bin").write_bytes(b"no")
     (tmp_path / "step_0000004").mkdir()
     assert newest_good(tmp_path, verify, warnings.append).name == "step_0000002"
-    assert [w.split(":")[0] for w in warnings] == ["skipping checkpoint step_0000004", "skipping checkpoint step_0000003"]
+    assert [w.split(":")[0] for w in warnings] == ["skipping checkpoint step_0000004",
+                                                   "skipping checkpoint step_0000003"]
     for step in (1, 2):
         (tmp_path / step_dir_name(step) / "x.bin").unlink()
     with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*: .*step_0000004.*no manifest.json"):

@@ -35,7 +35,8 @@ def _metrics(kind: str, virtual: int, weights: dict[int, list[float]]):
     pp, rank = dist.get_world_size(), dist.get_rank()
     ctx = ParallelContext(Layout(pp=pp))
     runner = SimpleNamespace(last_stats=_timings(rank, pp, weights.get(rank, [])), comm=Comm(ctx), ctx=ctx, pp=pp,
-                             kind=kind, schedules=build_schedule(kind, pp, 4, virtual), shape=PipelineShape(pp, 4, virtual))
+                             kind=kind, schedules=build_schedule(kind, pp, 4, virtual),
+                             shape=PipelineShape(pp, 4, virtual))
     return PipelineRunner.step_metrics(runner)
 
 
@@ -57,7 +58,8 @@ def test_the_bubble_and_its_prediction_are_their_definitions(pp, kind, virtual, 
         assert got["pp_step_s"] == step
         assert got["pp_bubble_measured"] == pytest.approx(1 - sum(s.busy_s for s in stats) / (pp * step), rel=1e-12)
         reported = got["pp_op_costs_s"]
-        assert reported["forward"] == pytest.approx(costs.forward) and reported["backward"] == pytest.approx(costs.backward)
+        assert reported["forward"] == pytest.approx(costs.forward)
+        assert reported["backward"] == pytest.approx(costs.backward)
         assert reported["p2p"] == costs.p2p and reported["weight_fraction"] == pytest.approx(costs.weight_fraction)
         assert got["pp_bubble_predicted"] == pytest.approx(predicted.bubble_fraction, rel=1e-12)
         assert got["pp_step_predicted_s"] == pytest.approx(predicted.step_time, rel=1e-12)

@@ -16,7 +16,8 @@ MIB = 2**20
 
 def _real_sums_and_phases(n):
     r = dist.get_rank()
-    window = shared_memory.SharedWindow.open(dist.group.WORLD, list(range(n)), r, slot_bytes=shared_memory.MIN_WINDOW_BYTES)
+    window = shared_memory.SharedWindow.open(dist.group.WORLD, list(range(n)), r,
+                                             slot_bytes=shared_memory.MIN_WINDOW_BYTES)
     out = {}
     # Real values, several chunks, parts uneven at n = 3: the same bits on every rank.
     for numel in (shared_memory.ONE_PHASE_MAX_BYTES // 4 + 1, shared_memory.MIN_WINDOW_BYTES // 4 * 2 + 7):
