@@ -340,6 +340,29 @@ def _loader(cfg: Config, loader_cls: type[TokenLoader]) -> TokenLoader:
     return loader_cls(tokens, t.seq_len, t.global_batch_size, cfg.run.seed)
 
 
+def pp2_engine(defer: bool = False):
+    """(engine, stage) of this forked rank in a pp=2 pipeline of a 2-layer debug model."""
+    from meshlm.bench.pp import build_stage
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout, ParallelContext
+    from meshlm.parallel.pipeline.engine import PipelineEngine
+    from meshlm.parallel.pipeline.p2p import PipelineP2P
+
+    ctx = ParallelContext(Layout(pp=2))
+    cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),
+                  world_size=2)
+    stage, _ = build_stage(cfg, 2, ctx.rank, 1, ctx.device)
+    return PipelineEngine(stage, PipelineP2P(Comm(ctx)), defer_weight_grads=defer), stage
+
+
+def pp2_microbatches(n: int = 4):
+    """n micro-batches [(inputs, targets)] of one row of 16 tokens each (seed 0)."""
+    import torch
+
+    tokens = torch.randint(0, 512, (n, 17), generator=torch.Generator().manual_seed(0))
+    return list(zip(tokens[:, :-1].chunk(n), tokens[:, 1:].chunk(n)))
+
+
 def comm_here():
     """A traced Comm over this process's world (the forked test ranks'), every rank on dp."""
     from meshlm.comm import Comm

@@ -8,7 +8,7 @@ from torch import nn
 
 from meshlm.parallel.pipeline.deferred_wgrad import DeferredWeightGradLinear, WeightGradStore, defer_weight_grads
 from meshlm.testing import run_ranks
-from tests.helpers import debug_model
+from tests.helpers import debug_model, pp2_engine, pp2_microbatches
 
 
 def _grads(model, tokens, store=None, autocast=False, arm=True):
@@ -86,28 +86,15 @@ def _engine_order():
     """Rank 1 (last stage) of a pp=2 1F1B run: the order of P2P posts and weight-gradient flushes."""
     import torch.distributed as dist
 
-    from meshlm.bench.pp import build_stage
-    from meshlm.comm import Comm
-    from meshlm.config import load_config, resolve
-    from meshlm.mesh import Layout, ParallelContext
-    from meshlm.parallel.pipeline.engine import PipelineEngine
-    from meshlm.parallel.pipeline.p2p import PipelineP2P
-    from meshlm.parallel.pipeline.schedules import build_schedule
     from meshlm.model.loss import token_loss_sum
+    from meshlm.parallel.pipeline.schedules import build_schedule
 
-    ctx = ParallelContext(Layout(pp=2))
-    cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),
-                  world_size=2)
-    stage, _ = build_stage(cfg, 2, ctx.rank, 1, ctx.device)
-    engine = PipelineEngine(stage, PipelineP2P(Comm(ctx)), defer_weight_grads=True)
+    engine, _ = pp2_engine(defer=True)
     events = []
     post, flush = engine.p2p.post, engine.weight_grads.flush
     engine.p2p.post = lambda ops: events.append(("post", [kind for kind, _, _ in ops])) or post(ops)
     engine.weight_grads.flush = lambda: events.append(("flush", len(engine.weight_grads))) or flush()
-    tokens = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(0))
-    stats = engine.run(build_schedule("1f1b", 2, 4, 1)[ctx.rank], list(zip(tokens[:, :-1].chunk(4),
-                                                                           tokens[:, 1:].chunk(4))),
-                       loss_fn=token_loss_sum)
+    stats = engine.run(build_schedule("1f1b", 2, 4, 1)[dist.get_rank()], pp2_microbatches(4), loss_fn=token_loss_sum)
     dist.barrier()
     return events, len(stats.backward_s)
 

@@ -14,27 +14,9 @@ from meshlm.parallel.pipeline.engine import PipelineEngine, _Clock
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, REDUCE_GRADS,
                                                 SEND_ACT, Instruction)
 from meshlm.testing import RankFailure, run_ranks
+from tests.helpers import pp2_engine, pp2_microbatches
 
 MICROBATCHES = 4
-
-
-def _engine(rank: int, defer: bool = False):
-    from meshlm.bench.pp import build_stage
-    from meshlm.comm import Comm
-    from meshlm.config import load_config, resolve
-    from meshlm.mesh import Layout, ParallelContext
-    from meshlm.parallel.pipeline.p2p import PipelineP2P
-
-    ctx = ParallelContext(Layout(pp=2))
-    cfg = resolve(load_config(None, ["model.preset=debug", "model.n_layers=2", "train.seq_len=16", "parallel.pp=2"]),
-                  world_size=2)
-    stage, _ = build_stage(cfg, 2, ctx.rank, 1, ctx.device)
-    return PipelineEngine(stage, PipelineP2P(Comm(ctx)), defer_weight_grads=defer), stage
-
-
-def _microbatches():
-    tokens = torch.randint(0, 512, (MICROBATCHES, 17), generator=torch.Generator().manual_seed(0))
-    return list(zip(tokens[:, :-1].chunk(MICROBATCHES), tokens[:, 1:].chunk(MICROBATCHES)))
 
 
 class _RecordedHandle:
@@ -62,7 +44,7 @@ def _recorded_run(kind: str, nccl_batching: bool = False):
     from meshlm.parallel.pipeline.schedules import build_schedule
 
     rank = dist.get_rank()
-    engine, stage = _engine(rank)
+    engine, stage = pp2_engine()
     if nccl_batching:
         engine.split_sends = False
     events, state = [], {"no_sync": False}
@@ -86,7 +68,8 @@ def _recorded_run(kind: str, nccl_batching: bool = False):
     last_param = [p for p in stage.parameters()][-1]
     last_param.register_post_accumulate_grad_hook(lambda p: events.append(("grad", state["no_sync"])))
     program = build_schedule(kind, 2, MICROBATCHES, 1)[rank]
-    stats = engine.run(program, _microbatches(), loss_fn=token_loss_sum, loss_divisor=64.0, no_sync=no_sync,
+    stats = engine.run(program, pp2_microbatches(MICROBATCHES), loss_fn=token_loss_sum, loss_divisor=64.0,
+                       no_sync=no_sync,
                        reduce_grads=lambda: events.append(("reduce",)),
                        optimizer_step=lambda: events.append(("step",)))
     dist.barrier()
@@ -152,8 +135,8 @@ def _counted_run(defer: bool):
     from meshlm.parallel.pipeline.schedules import build_schedule
 
     engine_module._Clock = _CountingClock  # the forked rank's own copy of the module
-    engine, _ = _engine(dist.get_rank(), defer)
-    stats = engine.run(build_schedule("1f1b", 2, MICROBATCHES, 1)[dist.get_rank()], _microbatches(),
+    engine, _ = pp2_engine(defer)
+    stats = engine.run(build_schedule("1f1b", 2, MICROBATCHES, 1)[dist.get_rank()], pp2_microbatches(MICROBATCHES),
                        loss_fn=token_loss_sum)
     dist.barrier()
     return stats
@@ -178,14 +161,14 @@ def _bad_program(kind: str):
 
     from meshlm.model.loss import token_loss_sum
 
-    engine, stage = _engine(dist.get_rank())
+    engine, stage = pp2_engine()
     if kind == "unreceived":  # the last stage forwards micro-batch 1 without receiving its activation
         program = [Instruction(FORWARD, 1, 0)] if dist.get_rank() == 1 else []
     else:  # the first stage's output is longer than the sequence the stages agreed on
         forward = stage.forward
         stage.forward = lambda x, chunk, seq_len: torch.cat([forward(x, chunk, seq_len=seq_len)] * 2, dim=1)
         program = [Instruction(FORWARD, 0, 0)] if dist.get_rank() == 0 else []
-    engine.run(program, _microbatches(), loss_fn=token_loss_sum)
+    engine.run(program, pp2_microbatches(MICROBATCHES), loss_fn=token_loss_sum)
 
 
 @pytest.mark.parametrize("kind,message", [
