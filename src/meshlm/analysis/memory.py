@@ -139,12 +139,18 @@ def _block_saved(cfg: Config) -> tuple[int, int]:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     batch, seq = _tokens(cfg)
     item = _itemsize(cfg)
+    outside = batch * seq // (p.tp if p.sp else 1)  # tokens of the norms (sequence-sharded under SP)
     whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
+    if t.dtype == "bfloat16" and p.zero > 0:
+        # bf16 weights: each RMSNorm saves its input upcast to fp32 and its fp32 statistic, and
+        # RoPE the bf16 cos/sin copies it makes for q and k (model/llama.py)
+        whole += outside * 2 * (2 * m.dim + 2) + 4 * seq * m.head_dim * 2
     if t.recompute == "full":
-        return batch * seq // (p.tp if p.sp else 1) * m.dim * item, whole
-    if t.recompute == "selective" and p.cp == 1:  # the attention core's output and log-sum-exp are dropped
-        heads = m.n_heads // p.tp
-        return whole - batch * seq * (heads * m.head_dim + heads) * item, 0
+        return outside * m.dim * item, whole
+    if t.recompute == "selective" and p.cp == 1:
+        # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
+        # the output projection (with a flash-style kernel there is no s x s matrix to drop)
+        return whole - batch * seq * (m.n_heads // p.tp) * item, 0
     return whole, 0  # (ring attention is not selectively recomputed: see parallel/context.py)
 
 
@@ -228,17 +234,27 @@ class _State:
     grads: float  # once the step's first backward has produced gradients
     optimizer: float
     master: float
-    gathered_forward: float = 0  # FSDP: unsharded units held during a forward
+    gathered_forward: float = 0  # FSDP: unsharded units held during a forward (the root and a block)
+    gathered_after_forward: float = 0  # ... when it ends (the root)
     gathered_loss: float = 0  # ... at the loss's backward
     gathered_backward: float = 0  # ... during a block's backward (with the prefetched one)
     staging: float = 0  # ZeRO-2: the bucket being filled, alive through backward
     in_flight: float = 0  # ZeRO-2: the bucket being reduced, with gloo's ring scratch (from the blocks' backward on)
     weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
+    embedding_grad: float = 0  # the embedding's dense weight gradient, as autograd makes it
     reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
     step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
     reduces_in_backward: bool = False  # FSDP: each unit's reduction starts inside backward
+    finishes_in_backward: bool = False  # zero 2/3: each backward waits for its own reductions
+    param_item: int = 4  # bytes per parameter element
     grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
                               # rather than from its first reduction (zero 2/3: the shard)
+
+
+def _block_largest(cfg: Config) -> int:
+    """Elements of a block's largest weight on one tp rank."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return max(m.dim * m.ffn_dim // tp, m.dim * m.n_heads * m.head_dim // tp)
 
 
 def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
@@ -255,41 +271,58 @@ def _state(cfg: Config, counts: dict[str, int], backend: str) -> _State:
     # the input at d = 2, two beyond. NCCL's and shared memory's need none. Bytes per element:
     copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
 
-    largest = max(_vocab_local(cfg) * m.dim, m.dim * m.ffn_dim // p.tp, m.dim * m.n_heads * m.head_dim // p.tp)
+    # AdamW's two temporaries are the size of the largest segment it updates: a whole tensor, or
+    # the part of one inside this rank's slice of its bucket (unit) when the tensor fills more than
+    # a slice; a smaller tensor may lie whole in one rank's slice.
+    vocab_table = _vocab_local(cfg) * m.dim if counts["embedding"] or counts["head"] else 0
+    block_largest = _block_largest(cfg) if counts["layers"] else 0
+    largest = max(vocab_table, block_largest)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
-    if p.zero == 0:
-        return _State(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, step=2 * 4 * largest)
+    embedding_grad = counts["embedding"]
+    if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
+        return _State(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, embedding_grad=4 * embedding_grad,
+                      step=2 * 4 * largest, grads_early=d > 1)
     master = 4 * n / d if bf16 else 0
     fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
     if p.zero in (1, 2):
         bucket = min(DEFAULT_BUCKET_BYTES // item, n)
-        shard_step = fp32_grads + 2 * 4 * largest / d
+        if p.zero == 2:
+            bucket = min(stage2_bucket_bytes(item * n) // item, n)
+        shard_step = fp32_grads + 2 * 4 * min(largest, max(bucket, largest) / d)
         # A bucket never splits a parameter: the first one reduced holds at least the head, the last
         # one the embedding, however small the nominal size (for `1b`, 262M elements each).
         first, last = max(bucket, head), max(bucket, counts["embedding"])
         if p.zero == 1:
             wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
-            return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head,
-                          reduction=wide + copies * last, step=shard_step)
+            return _State(item * n, item * n, 8 * n / d, master, weight_grad=item * head, param_item=item,
+                          embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
         # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
-        bucket = min(stage2_bucket_bytes(item * n) // item, n)
-        first, last = max(bucket, head), max(bucket, counts["embedding"])
+        # Each backward ends by reducing its last bucket and waiting for it.
         return _State(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket,
-                      in_flight=(4 + copies) * first, weight_grad=item * head,
-                      reduction=(4 + copies) * last, step=shard_step)
+                      in_flight=(4 + copies) * first, weight_grad=item * head, embedding_grad=item * embedding_grad,
+                      reduction=(4 + copies) * last, step=shard_step, grads_early=False, finishes_in_backward=True)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
+    largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
     return _State(4 * n / d, 4 * n / d, 8 * n / d, 0,
-                  gathered_forward=item * (root + unit), gathered_loss=item * (root - embedding),
+                  gathered_forward=item * (root + unit), gathered_after_forward=item * root,
+                  gathered_loss=item * (root - embedding),
                   # the head's gradient waits in the root unit until the embedding's arrives, last
                   gathered_backward=item * (root - embedding + 2 * unit) + item * head,
-                  weight_grad=item * head,
+                  weight_grad=item * head, embedding_grad=item * embedding_grad,
                   # a unit completes: its gradients flattened into fp32 staging while both gathered
                   # units stay (the ring's scratch comes after the gradients are dropped)
                   reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
-                  step=2 * 4 * largest / d, grads_early=False, reduces_in_backward=True)
+                  step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
+
+
+def _deferred_weights(cfg: Config, stage: int) -> int:
+    """Elements of the linear weights whose gradients pipeline stage `stage` defers."""
+    m, p = cfg.model, cfg.parallel
+    weights = len(_stage_ranges(cfg)[stage]) * (layer_parameters(m, p.tp) - 2 * m.dim)
+    return weights + (_vocab_local(cfg) * m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
 
 
 def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
@@ -314,7 +347,11 @@ def _deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
 # --------------------------------------------------------------------------- the walk
 
 
-def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
+def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[int, RankMemory]]:
+    """Every point of pipeline rank `pp_rank`'s step where memory can peak, in the order the step
+    reaches them, each with its whole breakdown (`phase` names it) and the index of the compute
+    instruction it lies in (`_program`; the reduction and optimizer step after it count on). The
+    peak is the largest; tests/test_memory_phases.py measures every one."""
     m, p = cfg.model, cfg.parallel
     counts = rank_parameters(cfg, pp_rank)
     s = _state(cfg, counts, backend)
@@ -323,23 +360,32 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
     last_stage = p.pp * p.pp_virtual - 1
     fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
     block_saved, rebuilt = _block_saved(cfg)
+    sp_gathered = tokens * m.dim * _itemsize(cfg) if p.sp else 0  # a linear's all-gathered input (SP)
     vocab = tokens * _vocab_local(cfg) * _itemsize(cfg)  # the loss's saved [tokens, vocab/tp]
-    points: list[RankMemory] = []
+    points: list[tuple[int, RankMemory]] = []
+    at = 0  # the instruction being walked
 
-    def point(phase: str, activations: float, grads: bool, other: float) -> None:
-        parts = (s.params, s.grads if grads else 0, s.optimizer, s.master, activations, fixed + other)
-        points.append(RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
-                                 *(int(x) for x in parts), int(sum(parts)), phase))
+    def point(phase: str, activations: float, grads: bool, other: float, grad_share: float = 1.0) -> None:
+        parts = (s.params, s.grads * grad_share if grads else 0, s.optimizer, s.master, activations, fixed + other)
+        points.append((at, RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
+                                      *(int(x) for x in parts), int(sum(parts)), phase)))
 
     program = _program(cfg, pp_rank)
     saved = {c * p.pp + pp_rank: _chunk_saved(cfg, c * p.pp + pp_rank) for c in range(p.pp_virtual)}
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
     live, grads = 0, False
     for i, (forward, chunk) in enumerate(program):
-        stage = chunk * p.pp + pp_rank
+        at, stage = i, chunk * p.pp + pp_rank
         if forward:
+            # while the chunk's last block computes: its gathered unit (FSDP), and under full
+            # recompute (no graph kept) the MLP's live tensors: residual, normalised input, gate,
+            # up and silu(gate)
+            blocks = len(_stage_ranges(cfg)[stage]) * block_saved
+            unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * _itemsize(cfg) if cfg.train.recompute == "full" else 0
+            point("forward", live + blocks, grads, s.gathered_forward + unsaved + sp_gathered)
             live += saved[stage]
-            point("forward", live, grads, s.gathered_forward)
+            # the last stage's head computes on its all-gathered input (SP)
+            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last_stage else 0))
             if stage == last_stage:
                 point("loss", live, grads, s.gathered_loss + _loss_transient_bytes(cfg, tokens, backward=False))
             continue
@@ -350,18 +396,41 @@ def _rank_memory(cfg: Config, pp_rank: int, backend: str) -> RankMemory:
             # the head's backward: its weight and input gradients beside the logits' gradient; the
             # engine's gradient storage (or ZeRO-2's staging) is made only when the head's weight
             # gradient is handed over, after this
-            point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming)
+            point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming + sp_gathered)
             live -= vocab
+            # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
+            # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
+            point("head backward", live, grads or s.grads_early, s.gathered_loss + s.weight_grad + incoming + s.in_flight)
         deferred = _deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
+        # inside a block's backward: the MLP's gate and up gradients beside the incoming one
+        transient = incoming + tokens * 2 * m.ffn_dim // p.tp * _itemsize(cfg) + sp_gathered
         point("block backward", live, grads or s.grads_early,
-              s.gathered_backward + s.staging + s.in_flight + rebuilt + incoming + deferred)
+              s.gathered_backward + s.staging + s.in_flight + rebuilt + transient + deferred)
+        during = s.gathered_backward + s.staging + s.in_flight + rebuilt + transient + deferred
+        if not grads and p.zero == 2:  # the shard, made when the head's bucket is reduced: after the top block
+            point("block backward", live - block_saved, True, during)
+        # its first block: one block's activations left, and (where autograd makes the gradients
+        # one by one, at one rank) those of every parameter but the block's and the embedding's
+        rest = live - saved[stage] + (vocab if stage == last_stage else 0)
+        n = sum(counts.values())
+        point("block backward", rest + block_saved, True, during,
+              1 if grads or s.grads_early or p.zero > 0 else (n - counts["embedding"] - layer_parameters(m, p.tp)) / n)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
         live -= saved[stage] - (vocab if stage == last_stage else 0)
-    point("gradient reduction", 0, True, s.reduction)
+        if deferred:  # the flush computes every deferred linear's weight gradient at once
+            point("weight gradients", live, True, deferred + s.param_item * _deferred_weights(cfg, stage))
+        if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
+            point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
+        if s.finishes_in_backward and not s.reduces_in_backward:
+            point("gradient reduction", live, True, s.reduction)
+    # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward
+    at = len(program)
+    point("gradient reduction", 0, True, 0 if s.finishes_in_backward else s.reduction)
+    at += 1
     point("optimizer step", 0, True, s.step)
-    return max(points, key=lambda r: r.peak_bytes)
+    return points
 
 
 def predict(cfg: Config, backend: str = "nccl") -> MemoryReport:
@@ -370,5 +439,6 @@ def predict(cfg: Config, backend: str = "nccl") -> MemoryReport:
     else "gloo")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    roles = [_rank_memory(cfg, pp_rank, backend) for pp_rank in range(cfg.parallel.pp)]
+    roles = [max((r for _, r in rank_points(cfg, pp_rank, backend)), key=lambda r: r.peak_bytes)
+             for pp_rank in range(cfg.parallel.pp)]
     return MemoryReport(max(r.peak_bytes for r in roles), roles)
