@@ -246,3 +246,26 @@ def test_the_fixed_bytes_are_the_models_rope_tables_and_one_pipeline_stage_is_ev
     short, long = resolved(256), resolved(1024)
     assert predict(long).peak_bytes - predict(short).peak_bytes == rope_bytes(long) - rope_bytes(short) > 0
     assert [r.role for r in predict(short).ranks] == ["every rank"]
+
+
+def _local_parameters(world: int, configs, corpus: Path, run_dir: Path) -> list[tuple[int, int]]:
+    out = []
+    for extra in configs:
+        trainer = build_trainer(small_cfg(corpus, run_dir, world, *extra))
+        out.append((trainer.ctx.coord("pp"), sum(p.numel() for p in trainer.model.parameters())))
+    return out
+
+
+def test_parameter_counts_are_the_built_models_on_every_rank(tmp_path):
+    """Every term of the model is counted on `rank_parameters`: it must be each rank's own
+    parameter count, where kv heads are replicated (tp 4 > 2 kv heads), split (tp 2), with a
+    pipeline, and with a tied head copied to the last stage."""
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    configs = [("parallel.tp=4",), ("parallel.tp=2", *PP2), ("parallel.pp=4", "model.n_layers=6"),
+               ("parallel.tp=2", *PP2, "model.tie_embeddings=true"), ("parallel.tp=4", "model.tie_embeddings=true")]
+    per_rank = run_ranks(_local_parameters, 4, 4, configs, corpus, tmp_path / "run", timeout=300)
+    for i, extra in enumerate(configs):
+        cfg = small_cfg(corpus, tmp_path / "run", 4, *extra)
+        for rank in per_rank:
+            pp_rank, built = rank[i]
+            assert sum(rank_parameters(cfg, pp_rank).values()) == built, (extra, pp_rank)

@@ -18,7 +18,8 @@ from fractions import Fraction
 
 import pytest
 
-from meshlm.analysis.memory import _state, predict, rank_parameters
+from meshlm.analysis.memory import predict, rank_parameters
+from meshlm.analysis.memory_terms import engine_state
 from meshlm.config import load_config, resolve
 from meshlm.parallel.tensor import activation_bytes_per_layer, korthikanti_bytes_per_layer
 
@@ -33,12 +34,12 @@ def _model_state(cfg) -> tuple[int, int]:
     """(params + grads + optimizer + master bytes of rank 0's engine, the rank's parameter count N,
     unsharded: the Ψ of the ZeRO paper's per-device formulas).
 
-    The terms are the engine's (`_state`, what `predict` adds at every point of the step); the
+    The terms are the engine's (`engine_state`, what `predict` adds at every point of the step); the
     peak `predict` reports carries the same params, optimizer and master bytes, and the gradients
     either whole or not yet allocated (ZeRO-2/3's shards appear at the first reduction, so a peak
     in the first backward has none). The paper counts them, so the sum is taken with them."""
     counts = rank_parameters(cfg, 0)
-    s = _state(cfg, counts, "nccl")
+    s = engine_state(cfg, counts, "nccl")
     rank = predict(cfg).ranks[0]
     assert (rank.params_bytes, rank.optimizer_bytes, rank.master_bytes) == \
         (int(s.params), int(s.optimizer), int(s.master))
@@ -58,7 +59,7 @@ def test_mixed_precision_adam_costs_16_bytes_per_parameter(zero, dtype, split):
     cfg = _config(zero=zero, dtype=dtype, dp=1)
     state, n = _model_state(cfg)
     assert state == 16 * n
-    s = _state(cfg, rank_parameters(cfg, 0), "nccl")
+    s = engine_state(cfg, rank_parameters(cfg, 0), "nccl")
     assert (s.params, s.grads, s.optimizer, s.master) == tuple(x * n for x in split)
 
 

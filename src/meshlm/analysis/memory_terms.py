@@ -1,0 +1,274 @@
+"""The memory model's terms (analysis/memory.py walks them through a rank's step): parameters per
+rank, the activations a pipeline stage saves, the program of compute instructions, and the model
+state and transient buffers of each engine. Every term is a formula over the config; the
+derivations are in docs/memory.md, the measurements in tests/test_memory*.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.config import Config
+from meshlm.parallel.tensor import activation_bytes_per_layer
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+def _padded(n: int, tp: int) -> int:
+    return -(-n // tp) * tp
+
+
+def layer_parameters(m, tp: int) -> int:
+    """One block's parameters on one tp rank (kv heads split, or one whole head when replicated)."""
+    d = m.head_dim
+    kv_local = max(1, m.n_kv_heads // tp)  # replicated when tp is a multiple of n_kv_heads
+    attention = m.dim * (m.n_heads // tp) * d * 2 + 2 * m.dim * kv_local * d
+    return attention + 3 * m.dim * (m.ffn_dim // tp) + 2 * m.dim
+
+
+def stage_layers(cfg: Config) -> list[list[int]]:
+    """Layer indices of each pipeline rank (all its virtual stages)."""
+    p = cfg.parallel
+    ranges = stage_ranges(cfg)
+    return [[i for s in range(rank, p.pp * p.pp_virtual, p.pp) for i in ranges[s]] for rank in range(p.pp)]
+
+
+def rank_parameters(cfg: Config, pp_rank: int) -> dict[str, int]:
+    """Parameters pipeline rank `pp_rank` holds on each tp rank: `layers`, `embedding`, `head`
+    (with a tied copy on the last stage), `norm`."""
+    m, p = cfg.model, cfg.parallel
+    vocab = _padded(m.vocab_size, p.tp) // p.tp * m.dim
+    first, last = pp_rank == 0, pp_rank == p.pp - 1
+    tied_here = m.tie_embeddings and first
+    return {"layers": len(stage_layers(cfg)[pp_rank]) * layer_parameters(m, p.tp),
+            "embedding": vocab if first else 0,
+            "head": vocab if last and not tied_here else 0,
+            "norm": m.dim if last else 0}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def activation_itemsize(cfg: Config) -> int:
+    return 2 if cfg.train.dtype == "bfloat16" else 4
+
+
+def microbatch_tokens(cfg: Config) -> tuple[int, int]:
+    """(micro-batch rows, sequence positions) one rank computes per micro-batch."""
+    from meshlm.parallel.pipeline.runner import microbatch_plan
+
+    p = cfg.parallel
+    batch = microbatch_plan(cfg)[1] if p.pp > 1 else cfg.train.micro_batch_size
+    return batch, cfg.train.seq_len // p.cp
+
+
+def block_saved_bytes(cfg: Config) -> tuple[int, int]:
+    """(bytes one block saves for backward under the config's recompute, bytes rebuilt during
+    its backward): full recompute keeps only each block's input and rebuilds one block at a time."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    batch, seq = microbatch_tokens(cfg)
+    item = activation_itemsize(cfg)
+    outside = batch * seq // (p.tp if p.sp else 1)  # tokens of the norms (sequence-sharded under SP)
+    whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
+    if t.dtype == "bfloat16" and p.zero > 0:
+        # bf16 weights: each RMSNorm saves its input upcast to fp32 and its fp32 statistic, and
+        # RoPE the bf16 cos/sin copies it makes for q and k (model/llama.py)
+        whole += outside * 2 * (2 * m.dim + 2) + 4 * seq * m.head_dim * 2
+    if t.recompute == "full":
+        return outside * m.dim * item, whole
+    if t.recompute == "selective" and p.cp == 1:
+        # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
+        # the output projection (with a flash-style kernel there is no s x s matrix to drop)
+        return whole - batch * seq * (m.n_heads // p.tp) * item, 0
+    return whole, 0  # (ring attention is not selectively recomputed: see parallel/context.py)
+
+
+def vocab_local(cfg: Config) -> int:
+    return _padded(cfg.model.vocab_size, cfg.parallel.tp) // cfg.parallel.tp
+
+
+def loss_transient_bytes(cfg: Config, tokens: int, backward: bool) -> int:
+    """The loss's short-lived fp32 [rows, vocab/tp] chunk (model/loss.py): forward shifts a chunk
+    by its row maxima into a new fp32 buffer; backward upcasts a chunk of bf16 logits (fp32
+    logits are overwritten where they lie)."""
+    from meshlm.model.loss import chunk_rows
+
+    vocab = vocab_local(cfg)
+    chunk = min(tokens, chunk_rows(vocab)) * vocab * 4
+    return chunk * (cfg.train.dtype == "bfloat16" if backward else 1)
+
+
+def chunk_saved_bytes(cfg: Config, stage: int) -> int:
+    """Bytes global pipeline stage `stage` saves per micro-batch in flight."""
+    m, p = cfg.model, cfg.parallel
+    batch, seq = microbatch_tokens(cfg)
+    tokens, item = batch * seq, activation_itemsize(cfg)
+    sharded = tokens // p.tp if p.sp else tokens
+    layers = len(stage_ranges(cfg)[stage])
+    saved = layers * block_saved_bytes(cfg)[0]
+    if stage == p.pp * p.pp_virtual - 1:
+        # the final norm's input, normalised and weighted values (the head's input); the loss
+        # keeps the logits, in their dtype
+        saved += 3 * sharded * m.dim * item + tokens * vocab_local(cfg) * activation_itemsize(cfg)
+    else:  # the stage's output stays referenced until its gradient comes back
+        saved += sharded * m.dim * item
+    if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
+        matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim)
+        if stage == p.pp * p.pp_virtual - 1:
+            matmul += vocab_local(cfg) * m.dim
+        saved += 2 * matmul
+    return saved
+
+
+def stage_ranges(cfg: Config) -> list[range]:
+    from meshlm.mesh import parse_pp_layers
+    from meshlm.parallel.pipeline.stage import split_layers
+
+    p = cfg.parallel
+    counts = parse_pp_layers(p.pp_layers) if p.pp_layers else None
+    return split_layers(cfg.model.n_layers, p.pp * p.pp_virtual, counts)
+
+
+def compute_program(cfg: Config, pp_rank: int) -> list[tuple[bool, int]]:
+    """This rank's (is_forward, chunk) compute instructions, in the order the engine runs them."""
+    from meshlm.parallel.pipeline.runner import microbatch_plan
+
+    p = cfg.parallel
+    m = microbatch_plan(cfg)[0]
+    if p.pp == 1:
+        return [(fwd, 0) for _ in range(m) for fwd in (True, False)]
+    from meshlm.parallel.pipeline.schedules import BACKWARD, FORWARD, build_schedule
+
+    return [(ins.op == FORWARD, ins.chunk) for ins in build_schedule(p.pp_schedule, p.pp, m, p.pp_virtual)[pp_rank]
+            if ins.op in (FORWARD, BACKWARD)]
+
+
+def micro_batches_in_flight(cfg: Config, pp_rank: int) -> int:
+    """The most (micro-batch, chunk) activations rank `pp_rank` holds at once (its program's)."""
+    live = peak = 0
+    for forward, _ in compute_program(cfg, pp_rank):
+        live += 1 if forward else -1
+        peak = max(peak, live)
+    return peak
+
+
+# --------------------------------------------------------------------------- the model state
+
+
+@dataclass
+class EngineState:
+    """One rank's model state and the engine's transient buffers, in bytes."""
+
+    params: float
+    grads: float  # once the step's first backward has produced gradients
+    optimizer: float
+    master: float
+    gathered_forward: float = 0  # FSDP: unsharded units held during a forward (the root and a block)
+    gathered_after_forward: float = 0  # ... when it ends (the root)
+    gathered_loss: float = 0  # ... at the loss's backward
+    gathered_backward: float = 0  # ... during a block's backward (with the prefetched one)
+    staging: float = 0  # ZeRO-2: the bucket being filled, alive through backward
+    in_flight: float = 0  # ZeRO-2: the bucket being reduced, with gloo's ring scratch (from the blocks' backward on)
+    weight_grad: float = 0  # the head's (or a block's) weight gradient as autograd makes it
+    embedding_grad: float = 0  # the embedding's dense weight gradient, as autograd makes it
+    reduction: float = 0  # at the end of backward: the last bucket's reduce buffers
+    step: float = 0  # inside the optimizer step: fp32 gradient copies, AdamW temporaries
+    reduces_in_backward: bool = False  # FSDP: each unit's reduction starts inside backward
+    finishes_in_backward: bool = False  # zero 2/3: each backward waits for its own reductions
+    param_item: int = 4  # bytes per parameter element
+    grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
+                              # rather than from its first reduction (zero 2/3: the shard)
+
+
+def largest_block_weight(cfg: Config) -> int:
+    """Elements of a block's largest weight on one tp rank."""
+    m, tp = cfg.model, cfg.parallel.tp
+    return max(m.dim * m.ffn_dim // tp, m.dim * m.n_heads * m.head_dim // tp)
+
+
+def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineState:
+    from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
+    from meshlm.parallel.zero import stage2_bucket_bytes
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    n = sum(counts.values())
+    d = p.dp * p.cp
+    bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
+    item = 2 if bf16 else 4
+    # gloo across hosts: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines
+    # reduce in place (into their own chunk), so it receives into fp32 scratch: one chunk of 1/d of
+    # the input at d = 2, two beyond. NCCL's and shared memory's need none. Bytes per element:
+    copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
+
+    # AdamW's two temporaries are the size of the largest segment it updates: a whole tensor, or
+    # the part of one inside this rank's slice of its bucket (unit) when the tensor fills more than
+    # a slice; a smaller tensor may lie whole in one rank's slice.
+    vocab_table = vocab_local(cfg) * m.dim if counts["embedding"] or counts["head"] else 0
+    block_largest = largest_block_weight(cfg) if counts["layers"] else 0
+    largest = max(vocab_table, block_largest)
+    head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
+    embedding_grad = counts["embedding"]
+    if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
+        return EngineState(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, embedding_grad=4 * embedding_grad,
+                      step=2 * 4 * largest, grads_early=d > 1)
+    master = 4 * n / d if bf16 else 0
+    fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
+    if p.zero in (1, 2):
+        bucket = min(DEFAULT_BUCKET_BYTES // item, n)
+        if p.zero == 2:
+            bucket = min(stage2_bucket_bytes(item * n) // item, n)
+        shard_step = fp32_grads + 2 * 4 * min(largest, max(bucket, largest) / d)
+        # A bucket never splits a parameter: the first one reduced holds at least the head, the last
+        # one the embedding, however small the nominal size (for `1b`, 262M elements each).
+        first, last = max(bucket, head), max(bucket, counts["embedding"])
+        if p.zero == 1:
+            wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
+            return EngineState(item * n, item * n, 8 * n / d, master, weight_grad=item * head, param_item=item,
+                          embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step)
+        # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
+        # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
+        # Each backward ends by reducing its last bucket and waiting for it.
+        return EngineState(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket,
+                      in_flight=(4 + copies) * first, weight_grad=item * head, embedding_grad=item * embedding_grad,
+                      reduction=(4 + copies) * last, step=shard_step, grads_early=False, finishes_in_backward=True)
+    unit = layer_parameters(m, p.tp)
+    embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
+    root = counts["embedding"] + counts["head"] + counts["norm"]
+    largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
+    return EngineState(4 * n / d, 4 * n / d, 8 * n / d, 0,
+                  gathered_forward=item * (root + unit), gathered_after_forward=item * root,
+                  gathered_loss=item * (root - embedding),
+                  # the head's gradient waits in the root unit until the embedding's arrives, last
+                  gathered_backward=item * (root - embedding + 2 * unit) + item * head,
+                  weight_grad=item * head, embedding_grad=item * embedding_grad,
+                  # a unit completes: its gradients flattened into fp32 staging while both gathered
+                  # units stay (the ring's scratch comes after the gradients are dropped)
+                  reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
+                  step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
+
+
+def deferred_weight_elements(cfg: Config, stage: int) -> int:
+    """Elements of the linear weights whose gradients pipeline stage `stage` defers."""
+    m, p = cfg.model, cfg.parallel
+    weights = len(stage_ranges(cfg)[stage]) * (layer_parameters(m, p.tp) - 2 * m.dim)
+    return weights + (vocab_local(cfg) * m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+
+
+def deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
+    """Pipeline stages after the first defer their linears' weight gradients in each chunk's last
+    backward (parallel/pipeline/deferred_wgrad.py): every linear's output gradient (and, under full
+    recompute, every rebuilt block) stays alive until the flush."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1:
+        return 0
+    batch, seq = microbatch_tokens(cfg)
+    tokens, item = batch * seq, activation_itemsize(cfg)
+    layers = len(stage_ranges(cfg)[stage])
+    outputs = (m.n_heads // p.tp + 2 * max(1, m.n_kv_heads // p.tp)) * m.head_dim + 2 * m.dim + 2 * m.ffn_dim // p.tp
+    out = layers * tokens * outputs * item
+    if cfg.train.recompute == "full":
+        out += max(0, layers - 1) * block_saved_bytes(cfg)[1]
+    if stage == p.pp * p.pp_virtual - 1:
+        out += tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the logits' gradient, kept for the head's
+    return out
