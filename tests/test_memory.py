@@ -261,7 +261,7 @@ def test_parameter_counts_are_the_built_models_on_every_rank(tmp_path):
     parameter count, where kv heads are replicated (tp 4 > 2 kv heads), split (tp 2), with a
     pipeline, and with a tied head copied to the last stage."""
     corpus = write_offline_corpus(tmp_path / "corpus")
-    configs = [("parallel.tp=4",), ("parallel.tp=2", *PP2), ("parallel.pp=4", "model.n_layers=6"),
+    configs = [("parallel.tp=4",), ("parallel.tp=2", *PP2), ("parallel.pp=4", "model.n_layers=6", "parallel.pp_layers=3,1,1,1"),
                ("parallel.tp=2", *PP2, "model.tie_embeddings=true"), ("parallel.tp=4", "model.tie_embeddings=true")]
     per_rank = run_ranks(_local_parameters, 4, 4, configs, corpus, tmp_path / "run", timeout=300)
     for i, extra in enumerate(configs):

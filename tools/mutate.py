@@ -125,9 +125,14 @@ MODULES = {
     "runner": ("src/meshlm/parallel/pipeline/runner.py", [
         "tests/test_pipeline.py", "tests/test_pipeline_runner.py",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
-    # The memory model: against the measured per-rank peak (every ZeRO stage, the pipeline's
-    # micro-batches in flight), the published tables and formulas (ZeRO paper, Korthikanti et al.).
-    "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory.py", "tests/test_memory_published.py"]),
+    # The memory model (its walk, and its terms): every window of the step against its measured
+    # live bytes, the measured per-rank peak (every ZeRO stage, the pipeline's micro-batches in
+    # flight), parameter counts against the built model, the published tables and formulas (ZeRO
+    # paper, Korthikanti et al.).
+    "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory_phases.py", "tests/test_memory.py",
+                                                 "tests/test_memory_published.py"]),
+    "memory_terms": ("src/meshlm/analysis/memory_terms.py", ["tests/test_memory_phases.py", "tests/test_memory.py",
+                                                             "tests/test_memory_published.py"]),
     # The pipeline simulator: the schedules' published bubbles, the engine's semantics, and the
     # step metrics it predicts from measured op costs.
     "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
