@@ -56,11 +56,11 @@ class PhaseProbe:
             with self._window("backward"):
                 return backward(*args, **kwargs)
 
-        self._restore = (backward,)
-        torch.autograd.backward = probed_backward
+        self._backward = backward
+        torch.autograd.backward = probed_backward  # Tensor.backward calls it too
 
     def close(self) -> None:
-        torch.autograd.backward = self._restore[0]
+        torch.autograd.backward = self._backward
 
     def _enter(self, name: str) -> None:
         t = self.tracker
@@ -92,7 +92,7 @@ class PhaseProbe:
         setattr(owner, attr, wrapped)
 
     def step(self, trainer) -> list[Window]:
-        """Run one (measured) training step; its windows, outermost last dropped."""
+        """Run one (measured) training step; its outermost windows, in order."""
         self.windows = []
         trainer.train_step()
         return list(self.windows)
@@ -141,8 +141,7 @@ def compare(cfg, backend: str, per_rank: list[tuple[int, list[Window]]]) -> list
         start, predicted = predicted_windows(cfg, pp_rank, backend)
         # the flush runs when the next input is late: compared in order, apart from the rest
         predicted = sorted(predicted, key=lambda w: w[0] == "weight gradients")
-        for run in runs:
-            assert len({len(r) for r in runs}) == 1, "ranks of one role ran different windows"
+        assert len({len(run) for run in runs}) == 1, "ranks of one role ran different windows"
         measured = [sorted(run, key=lambda w: w.name == "weight gradients") for run in runs]
         names = [w.name for w in measured[0]]
         assert names == [name for name, _ in predicted], (pp_rank, names, predicted)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import pytest  # noqa: E402
 from helpers import small_cfg, write_offline_corpus  # noqa: E402
 from memory_phases import compare, measure_windows  # noqa: E402
 
@@ -45,14 +44,19 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "gloo", ("parallel.zero=3",)),
     (4, "shm", ("parallel.zero=3",)),
 ]
+# Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
+PIPELINES: list[tuple[int, str, tuple[str, ...]]] = [
+    (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+    (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full")),
+]
 
 
-def measured_vs_predicted(corpus: Path, run_dir: Path, monkeypatch=None) -> list[tuple]:
+def measured_vs_predicted(corpus: Path, run_dir: Path, grid=GRID) -> list[tuple]:
     """(ranks, backend, overrides, pp rank, window, measured, predicted) for every window."""
     import os
 
     rows = []
-    for (world, backend), configs in _groups().items():
+    for (world, backend), configs in _groups(grid).items():
         extras = [(*SEQ, *extra) for extra in configs]
         saved = os.environ.get("MESHLM_SHM_DISABLE")
         os.environ["MESHLM_SHM_DISABLE"] = "1" if backend == "gloo" else "0"  # gloo: meshlm's rings
@@ -73,9 +77,9 @@ def measured_vs_predicted(corpus: Path, run_dir: Path, monkeypatch=None) -> list
     return rows
 
 
-def _groups() -> dict[tuple[int, str], list[tuple[str, ...]]]:
+def _groups(grid) -> dict[tuple[int, str], list[tuple[str, ...]]]:
     groups: dict[tuple[int, str], list[tuple[str, ...]]] = {}
-    for world, backend, extra in GRID:
+    for world, backend, extra in grid:
         groups.setdefault((world, backend), []).append(extra)
     return groups
 
@@ -94,6 +98,7 @@ if __name__ == "__main__":  # the table in docs/memory.md
         corpus = write_offline_corpus(Path(tmp) / "corpus")
         print("| ranks | backend | overrides | role | window | measured | predicted | error |")
         print("|---|---|---|---|---|---:|---:|---:|")
-        for world, backend, extra, pp_rank, window, measured, predicted in measured_vs_predicted(corpus, Path(tmp) / "run"):
+        rows = measured_vs_predicted(corpus, Path(tmp) / "run", GRID + PIPELINES)
+        for world, backend, extra, pp_rank, window, measured, predicted in rows:
             print(f"| {world} | {backend} | {' '.join(extra) or '(defaults)'} | pp{pp_rank} | {window} | {measured:,} | "
                   f"{predicted:,} | {predicted / measured - 1:+.1%} |")
