@@ -269,3 +269,24 @@ def test_parameter_counts_are_the_built_models_on_every_rank(tmp_path):
         for rank in per_rank:
             pp_rank, built = rank[i]
             assert sum(rank_parameters(cfg, pp_rank).values()) == built, (extra, pp_rank)
+
+
+def test_memory_phases_lists_each_roles_walk_whose_largest_point_is_the_peak(capsys):
+    from meshlm.cli import main
+
+    args = ["model.preset=debug", "parallel.pp=2", "parallel.pp_schedule=1f1b", "train.global_batch_size=4",
+            "train.micro_batch_size=1", "train.seq_len=64"]
+    out = _memory_json(capsys, "--phases", *args)
+    assert len(out["phases"]) == 2
+    for role, points in zip(out["ranks"], out["phases"]):
+        assert max(p["peak_bytes"] for p in points) == role["peak_bytes"]
+        peak = max(points, key=lambda p: p["peak_bytes"])
+        assert peak["phase"] == role["phase"]
+        instructions = [p["instruction"] for p in points]
+        assert instructions == sorted(instructions)  # in the order the step reaches them
+        # 4 micro-batches: 4 forwards and 4 backwards, then the reduction and the optimizer step
+        assert instructions[-1] == 9 and [p["phase"] for p in points[-2:]] == ["gradient reduction", "optimizer step"]
+    assert "phases" not in _memory_json(capsys, *args)
+    assert main(["memory", "--phases", *args]) == 0
+    text = capsys.readouterr().out
+    assert "pp0: instr" in text and "pp1: instr" in text and text.count("optimizer step") == 2

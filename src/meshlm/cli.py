@@ -279,6 +279,8 @@ def _memory_parser(sub) -> None:
                    help="collectives library: nccl (GPUs, default), shm (CPU ranks on one host) or gloo (CPU "
                         "ranks across hosts)")
     p.add_argument("--plot", metavar="FILE.png", help="stacked breakdown for zero 0-3, recompute on and off")
+    p.add_argument("--phases", action="store_true",
+                   help="also every point of each role's step where memory can peak, in order (the model's walk)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.preset=llama3-8b parallel.dp=8")
 

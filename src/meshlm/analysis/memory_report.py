@@ -10,12 +10,15 @@ import copy
 import json
 import re
 
-from meshlm.analysis.memory import RANK_FIELDS, MemoryReport, predict
+from meshlm.analysis.memory import RANK_FIELDS, MemoryReport, predict, rank_points
 from meshlm.config import Config, ConfigError, load_config, resolve
 from meshlm.train.metrics import format_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+PHASE_FIELDS = ("grads", "activations", "other", "peak")  # what changes along the step
 
 
 def parse_bytes(text: str) -> int:
@@ -103,6 +106,18 @@ def format_report(cfg: Config, report: MemoryReport, capacity: int | None) -> st
     return "\n".join(lines)
 
 
+def format_phases(cfg: Config, backend: str) -> str:
+    """Each role's walk: every point where memory can peak, with the instruction it lies in."""
+    lines = []
+    for pp_rank in range(cfg.parallel.pp):
+        points = rank_points(cfg, pp_rank, backend)
+        lines.append(f"{points[0][1].role}: {'instr':>5}  {'phase':<20}" + "".join(f"{f:>13}" for f in PHASE_FIELDS))
+        lines += [f"{'':<{len(r.role) + 2}}{at:>5}  {r.phase:<20}"
+                  + "".join(f"{format_bytes(getattr(r, f + '_bytes')):>13}" for f in PHASE_FIELDS)
+                  for at, r in points]
+    return "\n".join(lines)
+
+
 def plot_strategies(cfg: Config, path: str, backend: str) -> None:
     """Stacked bars of the largest rank's breakdown for zero 0-3, recompute none and full."""
     import matplotlib
@@ -148,9 +163,14 @@ def run(args) -> int:
         out = report.as_dict()
         out.update(device_memory_bytes=capacity, fits=fits,
                    suggestions=[{"overrides": text, "peak_bytes": peak} for text, peak in advice])
+        if args.phases:
+            out["phases"] = [[{"instruction": at, **r.as_dict()} for at, r in rank_points(cfg, pp_rank, backend)]
+                             for pp_rank in range(cfg.parallel.pp)]
         print(json.dumps(out))
         return 0
     print(format_report(cfg, report, capacity))
+    if args.phases:
+        print(format_phases(cfg, backend))
     if not fits:
         if advice:
             print("would fit with one change (cheapest first):")
