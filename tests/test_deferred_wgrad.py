@@ -63,6 +63,29 @@ def test_flush_accumulates_through_autograd_so_post_accumulate_hooks_fire_once_p
     assert len(fired) == 1
 
 
+def test_flush_holds_one_weight_gradient_at_a_time():
+    """A flush makes each weight's gradient, accumulates it and drops it before the next: its
+    peak above the gradients already kept is the largest weight's gradient, not their sum (which
+    doubled a pipeline stage's gradient memory at the flush)."""
+    from meshlm.train.memtrack import LiveTensorBytes
+
+    layers = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(6)))
+    store = WeightGradStore()
+    defer_weight_grads(layers, store)
+    x = torch.randn(32, 64, requires_grad=True)
+    with store.armed_for():
+        layers(x).sum().backward()
+    for layer in layers:  # the gradients' storage exists already, as in every step after the first
+        layer.weight.grad = torch.zeros_like(layer.weight)
+    tracker = LiveTensorBytes()
+    tracker.track(layer.weight.grad for layer in layers)
+    tracker.reset_peak()
+    with tracker:
+        store.flush()
+    weight_bytes = 64 * 64 * 4
+    assert weight_bytes <= tracker.peak - tracker.live <= 2 * weight_bytes, (tracker.peak, tracker.live)
+
+
 def test_unarmed_and_no_grad_forwards_take_the_plain_path():
     layer = nn.Linear(8, 4, bias=False)
     store = WeightGradStore()

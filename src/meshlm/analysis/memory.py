@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, chunk_saved_bytes, compute_program,
-                                          deferred_weight_elements, deferred_wgrad_bytes, engine_state,
+                                          deferred_inputs_bytes, deferred_weight_elements, deferred_wgrad_bytes, engine_state,
                                           layer_parameters, loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)
@@ -163,8 +163,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
         live -= saved[stage] - (vocab if stage == last_stage else 0)
-        if deferred:  # the flush computes every deferred linear's weight gradient at once
-            point("weight gradients", live, True, deferred + s.param_item * deferred_weight_elements(cfg, stage))
+        if deferred:  # the flush: what is owed, and one weight's gradient at a time
+            point("weight gradients", live, True, deferred + deferred_inputs_bytes(cfg, stage)
+                  + s.param_item * deferred_weight_elements(cfg, stage))
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
         if s.finishes_in_backward and not s.reduces_in_backward:

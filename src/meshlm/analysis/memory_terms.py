@@ -249,10 +249,20 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
 
 
 def deferred_weight_elements(cfg: Config, stage: int) -> int:
-    """Elements of the linear weights whose gradients pipeline stage `stage` defers."""
+    """Elements of the largest linear weight whose gradient pipeline stage `stage` defers: the
+    flush makes one weight's gradient at a time."""
     m, p = cfg.model, cfg.parallel
-    weights = len(stage_ranges(cfg)[stage]) * (layer_parameters(m, p.tp) - 2 * m.dim)
-    return weights + (vocab_local(cfg) * m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+    return max(largest_block_weight(cfg), vocab_local(cfg) * m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+
+
+def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
+    """What the flush of stage `stage` still holds beside the output gradients: each deferred
+    linear's input (the QKV, output, gate/up and down projections' of every layer, the head's)."""
+    m, p = cfg.model, cfg.parallel
+    batch, seq = microbatch_tokens(cfg)
+    per_layer = 2 * m.dim + m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp
+    inputs = len(stage_ranges(cfg)[stage]) * per_layer + (m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+    return batch * seq * inputs * activation_itemsize(cfg)
 
 
 def deferred_wgrad_bytes(cfg: Config, stage: int) -> int:

@@ -8,8 +8,8 @@ path of whoever waits on it, at least in the pipeline's drain, where the first s
 backward waits on the second's. This is the B/W split of zero-bubble pipelining (Qi et al.
 2023); DeepSeek's DualPipe keeps the same kind of store.
 Costs: each deferred layer's (compute-dtype) input and output gradient live from its backward until
-the flush (one micro-batch's worth), one more autograd call per flush (it accumulates the weight
-gradients through autograd so data-parallel hooks fire as usual), and about 0.1 ms of Python per
+the flush (one micro-batch's worth), one more autograd call per weight and flush (it accumulates
+the weight gradients through autograd so data-parallel hooks fire as usual), and about 0.1 ms of Python per
 layer and pass on a CPU for the custom autograd function, which is why layers defer only when armed.
 
 Scope: plain bias-free `nn.Linear` layers (all of Llama's linears and its head). Embeddings and
@@ -54,22 +54,31 @@ class WeightGradStore:
         self._pending.append((weight, inputs, grad_output))
 
     def flush(self) -> None:
-        """Compute every owed weight gradient and accumulate it through autograd: an identity view
-        of each weight gets the gradient, so its AccumulateGrad node runs and the weight's
-        post-accumulate-grad hooks (DDP buckets, ZeRO-1) fire exactly as in a plain backward."""
+        """Compute every owed weight gradient and accumulate it through autograd, one weight at a
+        time: an identity view of the weight gets the gradient, so its AccumulateGrad node runs and
+        the weight's post-accumulate-grad hooks (DDP buckets, ZeRO-1) fire exactly as in a plain
+        backward. One at a time, and each input and output gradient dropped once used, so a flush
+        holds one weight's gradient beside what is still owed (all of them at once doubled the
+        stage's gradient memory at the flush: docs/memory.md, "Measured phase by phase")."""
         if not self._pending:
             return
-        owed: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        for weight, inputs, grad_output in self._pending:
-            # [N, out]^T @ [N, in] over all leading (batch, sequence) positions: dL/dW for y = x W^T.
-            grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ inputs.reshape(-1, inputs.shape[-1])
-            grad = grad.to(weight.dtype)
-            if id(weight) in owed:  # a weight used more than once in the backward
-                grad = owed[id(weight)][1] + grad
-            owed[id(weight)] = (weight, grad)
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        uses: dict[int, list[int]] = {}  # a weight used more than once in the backward: summed first
+        for i, (weight, _, _) in enumerate(pending):
+            uses.setdefault(id(weight), []).append(i)
         with torch.enable_grad():
-            torch.autograd.backward([w.view_as(w) for w, _ in owed.values()], [g for _, g in owed.values()])
+            for indices in uses.values():
+                weight, grad = pending[indices[0]][0], None
+                for i in indices:
+                    _, inputs, grad_output = pending[i]
+                    pending[i] = None
+                    # [N, out]^T @ [N, in] over all leading (batch, sequence) positions: dL/dW for y = x W^T.
+                    part = (grad_output.reshape(-1, grad_output.shape[-1]).t()
+                            @ inputs.reshape(-1, inputs.shape[-1])).to(weight.dtype)
+                    del inputs, grad_output
+                    grad = part if grad is None else grad + part
+                torch.autograd.backward([weight.view_as(weight)], [grad])
+                del grad
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
