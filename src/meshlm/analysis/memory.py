@@ -39,10 +39,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, chunk_saved_bytes, compute_program,
-                                          deferred_inputs_bytes, deferred_weight_elements, deferred_wgrad_bytes, engine_state,
-                                          layer_parameters, loss_transient_bytes, microbatch_tokens, rank_parameters,
-                                          stage_ranges, vocab_local)
+from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, chunk_saved_bytes,
+                                          compute_program, deferred_inputs_bytes, deferred_weight_elements,
+                                          deferred_wgrad_bytes, engine_state, layer_parameters,
+                                          loss_transient_bytes, microbatch_tokens, rank_parameters, stage_ranges,
+                                          vocab_local)
 from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)
 from meshlm.config import Config
 
@@ -95,8 +96,8 @@ class MemoryReport:
 def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[int, RankMemory]]:
     """Every point of pipeline rank `pp_rank`'s step where memory can peak, in the order the step
     reaches them, each with its whole breakdown (`phase` names it) and the index of the compute
-    instruction it lies in (`compute_program`; the reduction and optimizer step after it count on). The
-    peak is the largest; tests/test_memory_phases.py measures every one."""
+    instruction it lies in (`compute_program`; the reduction and optimizer step after it count
+    on). The peak is the largest; tests/test_memory_phases.py measures every one."""
     m, p = cfg.model, cfg.parallel
     counts = rank_parameters(cfg, pp_rank)
     s = engine_state(cfg, counts, backend)
@@ -126,7 +127,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # recompute (no graph kept) the MLP's live tensors: residual, normalised input, gate,
             # up and silu(gate)
             blocks = len(stage_ranges(cfg)[stage]) * block_saved
-            unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg) if cfg.train.recompute == "full" else 0
+            unsaved = 0
+            if cfg.train.recompute == "full":
+                unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg)
             point("forward", live + blocks, grads, s.gathered_forward + unsaved + sp_gathered)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
@@ -145,7 +148,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             live -= vocab
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
-            point("head backward", live, grads or s.grads_early, s.gathered_loss + s.weight_grad + incoming + s.in_flight)
+            point("head backward", live, grads or s.grads_early,
+                  s.gathered_loss + s.weight_grad + incoming + s.in_flight)
         deferred = deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
         # inside a block's backward: the MLP's gate and up gradients beside the incoming one
         transient = incoming + tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg) + sp_gathered
