@@ -290,3 +290,48 @@ def test_memory_phases_lists_each_roles_walk_whose_largest_point_is_the_peak(cap
     assert main(["memory", "--phases", *args]) == 0
     text = capsys.readouterr().out
     assert "pp0: instr" in text and "pp1: instr" in text and text.count("optimizer step") == 2
+
+
+def _saved_bytes(world: int, configs, corpus: Path, run_dir: Path) -> list[int]:
+    """Bytes autograd saves for one micro-batch's forward and loss, each storage once, leaving out
+    what exists before it (parameters, buffers, the batch)."""
+    import torch
+
+    out = []
+    for extra in configs:
+        cfg = small_cfg(corpus, run_dir, world, "train.seq_len=48", *extra)
+        trainer = build_trainer(cfg)
+        inputs, targets = trainer.loader.microbatches(0, 0, 1, cfg.train.micro_batch_size)[0]
+        existing = (*trainer.model.parameters(), *trainer.model.buffers(), inputs)
+        before = {t.untyped_storage().data_ptr() for t in existing}
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in before:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer.loss_sum(trainer.dp.module(inputs), targets)
+        out.append(sum(saved.values()))
+    return out
+
+
+def test_what_a_micro_batch_saves_is_the_models_count_to_the_byte(tmp_path):
+    """The activations term exactly, below what a peak or a window can resolve: every block's
+    saved tensors under each recompute mode, in fp32 and with bf16 weights (fp32 norm inputs and
+    statistics, the fp32 log-sum-exp, RoPE's bf16 tables), the final norm, the loss's per-row
+    state. One rank, no tp/cp/pp (the vocabulary-parallel loss and ring attention save others)."""
+    from meshlm.analysis.memory_terms import chunk_saved_bytes
+
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    configs = [(), ("train.recompute=selective",), ("train.recompute=full",), ("model.tie_embeddings=true",),
+               ("parallel.zero=1",),
+               ("parallel.zero=1", "train.dtype=bfloat16"),
+               ("parallel.zero=1", "train.dtype=bfloat16", "train.recompute=selective"),
+               ("parallel.zero=2", "train.dtype=bfloat16", "train.recompute=full")]
+    (measured,) = run_ranks(_saved_bytes, 1, 1, configs, corpus, tmp_path / "run", timeout=300)
+    predicted = [chunk_saved_bytes(small_cfg(corpus, tmp_path / "run", 1, "train.seq_len=48", *extra), 0)
+                 for extra in configs]
+    assert measured == predicted, list(zip(configs, measured, predicted))

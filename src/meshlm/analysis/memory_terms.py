@@ -70,7 +70,8 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
     batch, seq = microbatch_tokens(cfg)
     item = activation_itemsize(cfg)
     outside = batch * seq // (p.tp if p.sp else 1)  # tokens of the norms (sequence-sharded under SP)
-    whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item)
+    lse = batch * seq * (m.n_heads // p.tp) * 4  # the attention's log-sum-exp, fp32 in any dtype
+    whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item) + lse * (4 - item) // 4
     if t.dtype == "bfloat16" and p.zero > 0:
         # bf16 weights: each RMSNorm saves its input upcast to fp32 and its fp32 statistic, and
         # RoPE the bf16 cos/sin copies it makes for q and k (model/llama.py)
@@ -80,7 +81,7 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
     if t.recompute == "selective" and p.cp == 1:
         # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
         # the output projection (with a flash-style kernel there is no s x s matrix to drop)
-        return whole - batch * seq * (m.n_heads // p.tp) * item, 0
+        return whole - lse, 0
     return whole, 0  # (ring attention is not selectively recomputed: see parallel/context.py)
 
 
@@ -108,9 +109,13 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
     layers = len(stage_ranges(cfg)[stage])
     saved = layers * block_saved_bytes(cfg)[0]
     if stage == p.pp * p.pp_virtual - 1:
-        # the final norm's input, normalised and weighted values (the head's input); the loss
-        # keeps the logits, in their dtype
-        saved += 3 * sharded * m.dim * item + tokens * vocab_local(cfg) * activation_itemsize(cfg)
+        # the final norm's input, normalised and weighted values (the head's input) and fp32
+        # statistic; the loss keeps the logits, in their dtype, and per row its two fp32 sums
+        # (model/loss.py), the int64 target and a bool mask
+        saved += 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * activation_itemsize(cfg)
+        saved += tokens * (8 + 8 + 1)
+        if cfg.train.dtype == "bfloat16" and p.zero > 0:
+            saved += sharded * m.dim * 2  # the final norm's input, upcast to fp32
     else:  # the stage's output stays referenced until its gradient comes back
         saved += sharded * m.dim * item
     if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
