@@ -1,6 +1,6 @@
 """The memory model phase by phase: every window of a training step (each forward, the loss,
-each backward, the gradient reduction, the optimizer step, a pipeline's weight-gradient flush)
-against the model's point for it, as bytes above the step's starting state (tests/memory_phases.py).
+each backward, the gradient reduction, the optimizer step; printed only, for the two pipelines, the
+weight-gradient flush) against the model's point for it, as bytes above the step's starting state (tests/memory_phases.py).
 
 The peak test (test_memory.py) holds the largest point to 10%; here every point is held to the
 same 10% of what the window adds, so a term that never sets the peak is checked too. The
