@@ -313,7 +313,9 @@ def _saved_bytes(world: int, configs, corpus: Path, run_dir: Path) -> list[int]:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            trainer.loss_sum(trainer.dp.module(inputs), targets)
+            with trainer._autocast():
+                logits = trainer.dp.module(inputs)
+            trainer.loss_sum(logits, targets)
         out.append(sum(saved.values()))
     return out
 
@@ -321,8 +323,9 @@ def _saved_bytes(world: int, configs, corpus: Path, run_dir: Path) -> list[int]:
 def test_what_a_micro_batch_saves_is_the_models_count_to_the_byte(tmp_path):
     """The activations term exactly, below what a peak or a window can resolve: every block's
     saved tensors under each recompute mode, in fp32 and with bf16 weights (fp32 norm inputs and
-    statistics, the fp32 log-sum-exp, RoPE's bf16 tables), the final norm, the loss's per-row
-    state. One rank, no tp/cp/pp (the vocabulary-parallel loss and ring attention save others)."""
+    statistics, the fp32 log-sum-exp, RoPE's bf16 tables), DDP's autocast (fp32 norms, a bf16
+    input copy per linear, bf16 weight copies), the final norm, the loss's per-row state. One
+    rank, no tp/cp/pp (the vocabulary-parallel loss and ring attention save others)."""
     from meshlm.analysis.memory_terms import chunk_saved_bytes
 
     corpus = write_offline_corpus(tmp_path / "corpus")
@@ -330,7 +333,9 @@ def test_what_a_micro_batch_saves_is_the_models_count_to_the_byte(tmp_path):
                ("parallel.zero=1",),
                ("parallel.zero=1", "train.dtype=bfloat16"),
                ("parallel.zero=1", "train.dtype=bfloat16", "train.recompute=selective"),
-               ("parallel.zero=2", "train.dtype=bfloat16", "train.recompute=full")]
+               ("parallel.zero=2", "train.dtype=bfloat16", "train.recompute=full"),
+               ("train.dtype=bfloat16",), ("train.dtype=bfloat16", "train.recompute=selective"),
+               ("train.dtype=bfloat16", "train.recompute=full")]
     (measured,) = run_ranks(_saved_bytes, 1, 1, configs, corpus, tmp_path / "run", timeout=300)
     predicted = [chunk_saved_bytes(small_cfg(corpus, tmp_path / "run", 1, "train.seq_len=48", *extra), 0)
                  for extra in configs]

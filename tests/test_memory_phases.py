@@ -1,6 +1,7 @@
 """The memory model phase by phase: every window of a training step (each forward, the loss,
-each backward, the gradient reduction, the optimizer step; printed only, for the two pipelines, the
-weight-gradient flush) against the model's point for it, as bytes above the step's starting state (tests/memory_phases.py).
+each backward, the gradient reduction, the optimizer step) against the model's point for it, as
+bytes above the step's starting state (tests/memory_phases.py); printed only, for the configs not
+yet within 10% (two pipelines, with their weight-gradient flush, and autocast under full recompute).
 
 The peak test (test_memory.py) holds the largest point to 10%; here every point is held to the
 same 10% of what the window adds, so a term that never sets the peak is checked too. The
@@ -27,6 +28,7 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (1, "shm", ("train.recompute=selective",)),
     (1, "shm", ("train.micro_batch_size=8",)),
     (1, "shm", ("model.tie_embeddings=true",)),
+    (1, "shm", ("train.dtype=bfloat16",)),
     (2, "shm", ("parallel.zero=0",)),
     (2, "shm", ("parallel.zero=1",)),
     (2, "shm", ("parallel.zero=2",)),
@@ -45,7 +47,8 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (4, "shm", ("parallel.zero=3",)),
 ]
 # Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
-PIPELINES: list[tuple[int, str, tuple[str, ...]]] = [
+NOT_YET: list[tuple[int, str, tuple[str, ...]]] = [
+    (1, "shm", ("train.dtype=bfloat16", "train.recompute=full")),  # autocast's transients in a rebuilt block
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full")),
 ]
@@ -98,7 +101,7 @@ if __name__ == "__main__":  # the table in docs/memory.md
         corpus = write_offline_corpus(Path(tmp) / "corpus")
         print("| ranks | backend | overrides | role | window | measured | predicted | error |")
         print("|---|---|---|---|---|---:|---:|---:|")
-        rows = measured_vs_predicted(corpus, Path(tmp) / "run", GRID + PIPELINES)
+        rows = measured_vs_predicted(corpus, Path(tmp) / "run", GRID + NOT_YET)
         for world, backend, extra, pp_rank, window, measured, predicted in rows:
             print(f"| {world} | {backend} | {' '.join(extra) or '(defaults)'} | pp{pp_rank} | {window} | {measured:,} | "
                   f"{predicted:,} | {predicted / measured - 1:+.1%} |")

@@ -76,8 +76,16 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
         # bf16 weights: each RMSNorm saves its input upcast to fp32 and its fp32 statistic, and
         # RoPE the bf16 cos/sin copies it makes for q and k (model/llama.py)
         whole += outside * 2 * (2 * m.dim + 2) + 4 * seq * m.head_dim * 2
-    if t.recompute == "full":
-        return outside * m.dim * item, whole
+    elif t.dtype == "bfloat16":
+        # autocast over fp32 weights (DDP): the norms' inputs, normalised values and statistics
+        # stay fp32 (26h + 8 bytes a token, against the table's 2 x (6h + 2)), and each of the five
+        # linears reading the residual stream (q, k, v, gate, up) saves its own bf16 copy of its
+        # input; RoPE saves its bf16 tables
+        whole += outside * (14 * m.dim + 4) + 4 * seq * m.head_dim * 2
+    if t.recompute == "full":  # the block's input: the residual stream, fp32 under autocast
+        autocast = t.dtype == "bfloat16" and p.zero == 0
+        copies = 2 * (layer_parameters(m, p.tp) - 2 * m.dim) if autocast else 0  # rebuilt with the block
+        return outside * m.dim * (4 if autocast else item), whole + copies
     if t.recompute == "selective" and p.cp == 1:
         # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
         # the output projection (with a flash-style kernel there is no s x s matrix to drop)
@@ -114,12 +122,13 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
         # (model/loss.py), the int64 target and a bool mask
         saved += 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * activation_itemsize(cfg)
         saved += tokens * (8 + 8 + 1)
-        if cfg.train.dtype == "bfloat16" and p.zero > 0:
-            saved += sharded * m.dim * 2  # the final norm's input, upcast to fp32
+        if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
+            saved += sharded * m.dim * (2 if p.zero > 0 else 4)
     else:  # the stage's output stays referenced until its gradient comes back
         saved += sharded * m.dim * item
     if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
-        matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim)
+        # (a block recomputed in full saves none until its backward rebuilds it)
+        matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim) if cfg.train.recompute != "full" else 0
         if stage == p.pp * p.pp_virtual - 1:
             matmul += vocab_local(cfg) * m.dim
         saved += 2 * matmul
