@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.analysis.memory import rank_points
+from meshlm.analysis.memory_terms import rope_table_bytes
 
 # The model's phases, grouped into the windows a probe can cut from outside the engines; a
 WINDOW_OF_PHASE = {"forward": "forward", "loss": "loss", "loss backward": "backward",
@@ -29,7 +30,6 @@ class Window:
     name: str
     start: int  # live bytes when it opened
     peak: int  # the most live bytes inside it
-    end: int  # live bytes when it closed
 
 
 class PhaseProbe:
@@ -71,7 +71,7 @@ class PhaseProbe:
         t = self.tracker
         name, start, outer_peak = self._open.pop()
         if not self._open:  # a window inside another (a flush's backward) is part of it
-            self.windows.append(Window(name, start, t.peak, t.live))
+            self.windows.append(Window(name, start, t.peak))
         t.peak = max(outer_peak, t.peak)
 
     @contextlib.contextmanager
@@ -101,9 +101,8 @@ class PhaseProbe:
 def predicted_windows(cfg, pp_rank: int, backend: str) -> tuple[int, list[tuple[str, int]]]:
     """(the step's starting bytes, [(window, the model's largest point in it)]) for one rank."""
     points = rank_points(cfg, pp_rank, backend)
-    m, base = cfg.model, points[0][1]
-    rope = 2 * m.max_seq_len * m.head_dim * 4
-    start = base.params_bytes + base.optimizer_bytes + base.master_bytes + rope
+    base = points[0][1]
+    start = base.params_bytes + base.optimizer_bytes + base.master_bytes + rope_table_bytes(cfg)
     after = points[-1][0] - 1  # the instruction index of the reduction after the program
     windows: dict[tuple[int, str], int] = {}
     for at, point in points:

@@ -40,10 +40,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, chunk_saved_bytes,
-                                          compute_program, deferred_inputs_bytes, deferred_weight_elements,
-                                          deferred_wgrad_bytes, engine_state, layer_parameters,
-                                          loss_transient_bytes, microbatch_tokens, rank_parameters, stage_ranges,
-                                          vocab_local)
+                                          compute_program, deferred_inputs_bytes, deferred_wgrad_bytes,
+                                          engine_state, largest_deferred_weight, last_stage, layer_parameters,
+                                          loss_transient_bytes, microbatch_tokens, rank_parameters,
+                                          rope_table_bytes, stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)
 from meshlm.config import Config
 
@@ -103,8 +103,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     s = engine_state(cfg, counts, backend)
     batch, seq = microbatch_tokens(cfg)
     tokens = batch * seq
-    last_stage = p.pp * p.pp_virtual - 1
-    fixed = 2 * m.max_seq_len * m.head_dim * 4  # the RoPE cos/sin tables
+    last = last_stage(cfg)
+    fixed = rope_table_bytes(cfg)
     block_saved, rebuilt = block_saved_bytes(cfg)
     sp_gathered = tokens * m.dim * activation_itemsize(cfg) if p.sp else 0  # a linear's all-gathered input (SP)
     vocab = tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the loss's saved [tokens, vocab/tp]
@@ -117,7 +117,12 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                                       *(int(x) for x in parts), int(sum(parts)), phase)))
 
     program = compute_program(cfg, pp_rank)
-    saved = {c * p.pp + pp_rank: chunk_saved_bytes(cfg, c * p.pp + pp_rank) for c in range(p.pp_virtual)}
+    stages = [c * p.pp + pp_rank for c in range(p.pp_virtual)]
+    saved = {stage: chunk_saved_bytes(cfg, stage) for stage in stages}
+    blocks = {stage: len(stage_ranges(cfg)[stage]) * block_saved for stage in stages}  # the blocks' part of saved
+    n = sum(counts.values())
+    # at one rank autograd makes the gradients one by one: by a chunk's first block, all but its and the embedding's
+    share_at_first_block = (n - counts["embedding"] - layer_parameters(m, p.tp)) / n if s.grads_one_by_one else 1
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
     live, grads = 0, False
     for i, (forward, chunk) in enumerate(program):
@@ -126,19 +131,18 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # while the chunk's last block computes: its gathered unit (FSDP), and under full
             # recompute (no graph kept) the MLP's live tensors: residual, normalised input, gate,
             # up and silu(gate)
-            blocks = len(stage_ranges(cfg)[stage]) * block_saved
             unsaved = 0
             if cfg.train.recompute == "full":
                 unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg)
-            point("forward", live + blocks, grads, s.gathered_forward + unsaved + sp_gathered)
+            point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
-            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last_stage else 0))
-            if stage == last_stage:
+            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0))
+            if stage == last:
                 point("loss", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=False))
             continue
         incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
-        if stage == last_stage:
+        if stage == last:
             # the loss's backward writes the logits' gradient over what it saved, chunk by chunk
             point("loss backward", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=True))
             # the head's backward: its weight and input gradients beside the logits' gradient; the
@@ -155,21 +159,18 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         transient = incoming + tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg) + sp_gathered
         during = s.gathered_backward + s.staging + s.in_flight + rebuilt + transient + deferred
         point("block backward", live, grads or s.grads_early, during)
-        if not grads and p.zero == 2:  # the shard, made when the head's bucket is reduced: after the top block
+        if s.grads_after_top_block and not grads:
             point("block backward", live - block_saved, True, during)
-        # its first block: one block's activations left, and (where autograd makes the gradients
-        # one by one, at one rank) those of every parameter but the block's and the embedding's
-        rest = live - saved[stage] + (vocab if stage == last_stage else 0)
-        n = sum(counts.values())
-        point("block backward", rest + block_saved, True, during,
-              1 if grads or s.grads_early or p.zero > 0 else (n - counts["embedding"] - layer_parameters(m, p.tp)) / n)
+        # its first block: one block's activations left, the other blocks' gradients made
+        rest = live - saved[stage] + (vocab if stage == last else 0)
+        point("block backward", rest + block_saved, True, during, 1 if grads else share_at_first_block)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
-        live -= saved[stage] - (vocab if stage == last_stage else 0)
+        live -= saved[stage] - (vocab if stage == last else 0)
         if deferred:  # the flush: what is owed, and one weight's gradient at a time
             point("weight gradients", live, True, deferred + deferred_inputs_bytes(cfg, stage)
-                  + s.param_item * deferred_weight_elements(cfg, stage))
+                  + s.param_item * largest_deferred_weight(cfg, stage))
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
         if s.finishes_in_backward and not s.reduces_in_backward:

@@ -54,6 +54,26 @@ def activation_itemsize(cfg: Config) -> int:
     return 2 if cfg.train.dtype == "bfloat16" else 4
 
 
+def bf16_weights(cfg: Config) -> bool:
+    """bf16 parameters with fp32 masters (ZeRO 1-3 in bf16), as parallel/data_parallel.py's
+    `precision_for` decides; DDP in bf16 keeps fp32 weights under autocast (`autocast`)."""
+    return cfg.train.dtype == "bfloat16" and cfg.parallel.zero > 0
+
+
+def autocast(cfg: Config) -> bool:
+    return cfg.train.dtype == "bfloat16" and cfg.parallel.zero == 0
+
+
+def last_stage(cfg: Config) -> int:
+    """The global index of the last pipeline stage (the one with the head and the loss)."""
+    return cfg.parallel.pp * cfg.parallel.pp_virtual - 1
+
+
+def rope_table_bytes(cfg: Config) -> int:
+    """The RoPE cos/sin tables every rank keeps, fp32 [max_seq_len, head_dim] each."""
+    return 2 * cfg.model.max_seq_len * cfg.model.head_dim * 4
+
+
 def microbatch_tokens(cfg: Config) -> tuple[int, int]:
     """(micro-batch rows, sequence positions) one rank computes per micro-batch."""
     from meshlm.parallel.pipeline.runner import microbatch_plan
@@ -72,20 +92,19 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
     outside = batch * seq // (p.tp if p.sp else 1)  # tokens of the norms (sequence-sharded under SP)
     lse = batch * seq * (m.n_heads // p.tp) * 4  # the attention's log-sum-exp, fp32 in any dtype
     whole = activation_bytes_per_layer(m, batch, seq, p.tp, p.sp, item) + lse * (4 - item) // 4
-    if t.dtype == "bfloat16" and p.zero > 0:
+    if bf16_weights(cfg):
         # bf16 weights: each RMSNorm saves its input upcast to fp32 and its fp32 statistic, and
         # RoPE the bf16 cos/sin copies it makes for q and k (model/llama.py)
         whole += outside * 2 * (2 * m.dim + 2) + 4 * seq * m.head_dim * 2
-    elif t.dtype == "bfloat16":
+    elif autocast(cfg):
         # autocast over fp32 weights (DDP): the norms' inputs, normalised values and statistics
         # stay fp32 (26h + 8 bytes a token, against the table's 2 x (6h + 2)), and each of the five
         # linears reading the residual stream (q, k, v, gate, up) saves its own bf16 copy of its
         # input; RoPE saves its bf16 tables
         whole += outside * (14 * m.dim + 4) + 4 * seq * m.head_dim * 2
     if t.recompute == "full":  # the block's input: the residual stream, fp32 under autocast
-        autocast = t.dtype == "bfloat16" and p.zero == 0
-        copies = 2 * (layer_parameters(m, p.tp) - 2 * m.dim) if autocast else 0  # rebuilt with the block
-        return outside * m.dim * (4 if autocast else item), whole + copies
+        copies = 2 * (layer_parameters(m, p.tp) - 2 * m.dim) if autocast(cfg) else 0  # rebuilt with the block
+        return outside * m.dim * (4 if autocast(cfg) else item), whole + copies
     if t.recompute == "selective" and p.cp == 1:
         # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
         # the output projection (with a flash-style kernel there is no s x s matrix to drop)
@@ -116,20 +135,20 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
     sharded = tokens // p.tp if p.sp else tokens
     layers = len(stage_ranges(cfg)[stage])
     saved = layers * block_saved_bytes(cfg)[0]
-    if stage == p.pp * p.pp_virtual - 1:
+    if stage == last_stage(cfg):
         # the final norm's input, normalised and weighted values (the head's input) and fp32
         # statistic; the loss keeps the logits, in their dtype, and per row its two fp32 sums
         # (model/loss.py), the int64 target and a bool mask
         saved += 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * activation_itemsize(cfg)
         saved += tokens * (8 + 8 + 1)
         if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
-            saved += sharded * m.dim * (2 if p.zero > 0 else 4)
+            saved += sharded * m.dim * (4 if autocast(cfg) else 2)
     else:  # the stage's output stays referenced until its gradient comes back
         saved += sharded * m.dim * item
-    if cfg.train.dtype == "bfloat16" and p.zero == 0:  # autocast's bf16 weight copies, saved by each matmul
-        # (a block recomputed in full saves none until its backward rebuilds it)
+    if autocast(cfg):  # the bf16 weight copies each matmul saves (a block recomputed in full
+        # saves none until its backward rebuilds it)
         matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim) if cfg.train.recompute != "full" else 0
-        if stage == p.pp * p.pp_virtual - 1:
+        if stage == last_stage(cfg):
             matmul += vocab_local(cfg) * m.dim
         saved += 2 * matmul
     return saved
@@ -193,6 +212,8 @@ class EngineState:
     param_item: int = 4  # bytes per parameter element
     grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
                               # rather than from its first reduction (zero 2/3: the shard)
+    grads_one_by_one: bool = False  # DDP at one rank: autograd's own .grad tensors, parameter by parameter
+    grads_after_top_block: bool = False  # ZeRO-2: the shard is made when the head's bucket is reduced
 
 
 def largest_block_weight(cfg: Config) -> int:
@@ -205,10 +226,10 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
     from meshlm.parallel.zero import stage2_bucket_bytes
 
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    m, p = cfg.model, cfg.parallel
     n = sum(counts.values())
     d = p.dp * p.cp
-    bf16 = t.dtype == "bfloat16" and p.zero > 0  # bf16 parameters with fp32 masters (DDP: autocast)
+    bf16 = bf16_weights(cfg)
     item = 2 if bf16 else 4
     # gloo across hosts: the reduce-scatter is meshlm's P2P ring (comm/gloo_rings.py); the engines
     # reduce in place (into their own chunk), so it receives into fp32 scratch: one chunk of 1/d of
@@ -225,7 +246,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     embedding_grad = counts["embedding"]
     if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
         return EngineState(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, embedding_grad=4 * embedding_grad,
-                      step=2 * 4 * largest, grads_early=d > 1)
+                           step=2 * 4 * largest, grads_early=d > 1, grads_one_by_one=d == 1)
     master = 4 * n / d if bf16 else 0
     fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
     if p.zero in (1, 2):
@@ -239,34 +260,35 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
         if p.zero == 1:
             wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
             return EngineState(item * n, item * n, 8 * n / d, master, weight_grad=item * head, param_item=item,
-                          embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step)
+                               embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
         # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
         # Each backward ends by reducing its last bucket and waiting for it.
         return EngineState(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket,
-                      in_flight=(4 + copies) * first, weight_grad=item * head, embedding_grad=item * embedding_grad,
-                      reduction=(4 + copies) * last, step=shard_step, grads_early=False, finishes_in_backward=True)
+                           in_flight=(4 + copies) * first, weight_grad=item * head,
+                           embedding_grad=item * embedding_grad, reduction=(4 + copies) * last, step=shard_step,
+                           grads_early=False,
+                           grads_after_top_block=True, finishes_in_backward=True)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
     largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
     return EngineState(4 * n / d, 4 * n / d, 8 * n / d, 0,
-                  gathered_forward=item * (root + unit), gathered_after_forward=item * root,
-                  gathered_loss=item * (root - embedding),
-                  # the head's gradient waits in the root unit until the embedding's arrives, last
-                  gathered_backward=item * (root - embedding + 2 * unit) + item * head,
-                  weight_grad=item * head, embedding_grad=item * embedding_grad,
-                  # a unit completes: its gradients flattened into fp32 staging while both gathered
-                  # units stay (the ring's scratch comes after the gradients are dropped)
-                  reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
-                  step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
+                       gathered_forward=item * (root + unit), gathered_after_forward=item * root,
+                       gathered_loss=item * (root - embedding),
+                       # the head's gradient waits in the root unit until the embedding's arrives, last
+                       gathered_backward=item * (root - embedding + 2 * unit) + item * head,
+                       weight_grad=item * head, embedding_grad=item * embedding_grad,
+                       # a unit completes: its gradients flattened into fp32 staging while both gathered
+                       # units stay (the ring's scratch comes after the gradients are dropped)
+                       reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
+                       step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
 
 
-def deferred_weight_elements(cfg: Config, stage: int) -> int:
+def largest_deferred_weight(cfg: Config, stage: int) -> int:
     """Elements of the largest linear weight whose gradient pipeline stage `stage` defers: the
     flush makes one weight's gradient at a time."""
-    m, p = cfg.model, cfg.parallel
-    return max(largest_block_weight(cfg), vocab_local(cfg) * m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+    return max(largest_block_weight(cfg), vocab_local(cfg) * cfg.model.dim if stage == last_stage(cfg) else 0)
 
 
 def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
@@ -275,7 +297,7 @@ def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
     m, p = cfg.model, cfg.parallel
     batch, seq = microbatch_tokens(cfg)
     per_layer = 2 * m.dim + m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp
-    inputs = len(stage_ranges(cfg)[stage]) * per_layer + (m.dim if stage == p.pp * p.pp_virtual - 1 else 0)
+    inputs = len(stage_ranges(cfg)[stage]) * per_layer + (m.dim if stage == last_stage(cfg) else 0)
     return batch * seq * inputs * activation_itemsize(cfg)
 
 
@@ -293,6 +315,6 @@ def deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
     out = layers * tokens * outputs * item
     if cfg.train.recompute == "full":
         out += max(0, layers - 1) * block_saved_bytes(cfg)[1]
-    if stage == p.pp * p.pp_virtual - 1:
+    if stage == last_stage(cfg):
         out += tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the logits' gradient, kept for the head's
     return out

@@ -78,7 +78,6 @@ class WeightGradStore:
                     del inputs, grad_output
                     grad = part if grad is None else grad + part
                 torch.autograd.backward([weight.view_as(weight)], [grad])
-                del grad
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
