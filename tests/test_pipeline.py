@@ -126,6 +126,16 @@ def test_pipeline_with_recompute_or_plain_backward_equals_single_process(corpus,
     assert_matches(ref, run_ranks(_rank, 2, corpus, tmp_path, 2, extra, timeout=180))
 
 
+@pytest.mark.parametrize("zero,kind,virtual", [(1, "1f1b", 1), (1, "interleaved", 2)])
+def test_bf16_weights_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, zero, kind, virtual):
+    """bf16 weights (ZeRO 1-3) send bf16 activations between stages: the same bits as one process
+    running the same micro-batches in bf16 (the stages agree on the dtype, or the first send fails)."""
+    bf16 = (f"parallel.zero={zero}", "train.dtype=bfloat16")
+    ref = reference(corpus, tmp_path_factory, *bf16)
+    extra = [*bf16, "parallel.pp=2", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}"]
+    assert_matches(ref, run_ranks(_rank, 2, corpus, tmp_path, 2, extra, timeout=180))
+
+
 @pytest.mark.parametrize("kind,virtual", SCHEDULES)
 def test_data_parallel_times_pipeline_equals_single_process(corpus, tmp_path, tmp_path_factory, kind, virtual):
     ref = reference(corpus, tmp_path_factory)

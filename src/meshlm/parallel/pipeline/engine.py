@@ -170,6 +170,7 @@ class PipelineEngine:
                         to_send[(SEND_ACT, *key)] = out.detach()
                     if not train:
                         inputs.pop(key, None)
+                    del x, out
                 elif ins.op == BACKWARD:
                     key = (ins.chunk, ins.microbatch)
                     grad = None if stage.is_last(ins.chunk) else \
@@ -189,6 +190,10 @@ class PipelineEngine:
                     if not stage.is_first(ins.chunk):
                         to_send[(SEND_GRAD, *key)] = x.grad
                     grads.pop(key, None)
+                    # Held by these names until the next backward, the micro-batch's output,
+                    # received gradient and input would live through the forwards between, and
+                    # the last ones through the reduction and the optimizer step.
+                    del out, grad, x
                 elif ins.op == REDUCE_GRADS:
                     for handle in sends_in_flight:
                         handle.wait()

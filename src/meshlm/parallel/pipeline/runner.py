@@ -18,6 +18,7 @@ from meshlm.analysis.pipeline_sim import OpCosts, simulate
 from meshlm.comm import Comm
 from meshlm.config import Config
 from meshlm.model.loss import IGNORE_INDEX
+from meshlm.parallel.data_parallel import precision_for
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.parallel.pipeline.engine import PipelineEngine, RunStats
 from meshlm.parallel.pipeline.p2p import PipelineP2P
@@ -48,7 +49,9 @@ class PipelineRunner:
         self.schedules = build_schedule(self.kind, self.pp, self.microbatches, self.virtual)
         self.program = self.schedules[self.pp_rank]
         self.p2p = PipelineP2P(comm)
-        self.engine = PipelineEngine(stage, self.p2p,
+        # What travels between stages is the residual stream in the weights' dtype: bf16 with
+        # bf16 weights (ZeRO 1-3), fp32 otherwise (autocast keeps the residual stream fp32).
+        self.engine = PipelineEngine(stage, self.p2p, activation_dtype=precision_for(cfg).param_dtype,
                                      sequence_shards=comm.ctx.size("tp") if cfg.parallel.sp else 1,
                                      defer_weight_grads=p.pp_defer_wgrad and p.zero <= 1)
         self.last_stats: RunStats | None = None
