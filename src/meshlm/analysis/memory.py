@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, chunk_saved_bytes,
+from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, boundary_held_bytes,
+                                          chunk_saved_bytes,
                                           compute_program, deferred_inputs_bytes, deferred_wgrad_bytes,
                                           engine_state, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
@@ -111,8 +112,11 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     points: list[tuple[int, RankMemory]] = []
     at = 0  # the instruction being walked
 
+    boundary = 0  # stage-boundary tensors the pipeline engine holds beside the compute (boundary_held_bytes)
+
     def point(phase: str, activations: float, grads: bool, other: float, grad_share: float = 1.0) -> None:
-        parts = (s.params, s.grads * grad_share if grads else 0, s.optimizer, s.master, activations, fixed + other)
+        parts = (s.params, s.grads * grad_share if grads else 0, s.optimizer, s.master, activations,
+                 fixed + other + boundary)
         points.append((at, RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
                                       *(int(x) for x in parts), int(sum(parts)), phase)))
 
@@ -124,9 +128,11 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     # at one rank autograd makes the gradients one by one: by a chunk's first block, all but its and the embedding's
     share_at_first_block = (n - counts["embedding"] - layer_parameters(m, p.tp)) / n if s.grads_one_by_one else 1
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
+    held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
     for i, (forward, chunk) in enumerate(program):
         at, stage = i, chunk * p.pp + pp_rank
+        boundary = held[i][0]
         if forward:
             # while the chunk's last block computes: its gathered unit (FSDP), and under full
             # recompute (no graph kept) the MLP's live tensors: residual, normalised input, gate,
@@ -154,29 +160,36 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
                   s.gathered_loss + s.weight_grad + incoming + s.in_flight)
-        deferred = deferred_wgrad_bytes(cfg, stage) if last_backward[chunk] == i else 0
+        # a deferring backward (its chunk's last) keeps each linear's output gradient for the flush
+        defers = last_backward[chunk] == i
+        deferred = deferred_wgrad_bytes(cfg, stage) if defers else 0
         # inside a block's backward: the MLP's gate and up gradients beside the incoming one
         transient = incoming + tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg) + sp_gathered
-        during = s.gathered_backward + s.staging + s.in_flight + rebuilt + transient + deferred
-        point("block backward", live, grads or s.grads_early, during)
+        during = s.gathered_backward + s.staging + s.in_flight + rebuilt + transient
+        # the top block: it owes the head's (its own output gradients are the transients above)
+        point("block backward", live, grads or s.grads_early,
+              during + (deferred_wgrad_bytes(cfg, stage, layers=0) if defers else 0))
         if s.grads_after_top_block and not grads:
             point("block backward", live - block_saved, True, during)
         # its first block: one block's activations left, the other blocks' gradients made
         rest = live - saved[stage] + (vocab if stage == last else 0)
-        point("block backward", rest + block_saved, True, during, 1 if grads else share_at_first_block)
+        above = deferred_wgrad_bytes(cfg, stage, layers=len(stage_ranges(cfg)[stage]) - 1) if defers else 0
+        point("block backward", rest + block_saved, True, during + above, 1 if grads else share_at_first_block)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
         live -= saved[stage] - (vocab if stage == last else 0)
-        if deferred:  # the flush: what is owed, and one weight's gradient at a time
+        if deferred:  # the flush (after the next sends and receives): what is owed, one weight's gradient at a time
+            boundary = held[i][1]
             point("weight gradients", live, True, deferred + deferred_inputs_bytes(cfg, stage)
                   + s.param_item * largest_deferred_weight(cfg, stage))
+            boundary = held[i][0]
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
         if s.finishes_in_backward and not s.reduces_in_backward:
             point("gradient reduction", live, True, s.reduction)
     # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward
-    at = len(program)
+    at, boundary = len(program), 0  # reduce_grads has waited for every send
     point("gradient reduction", 0, True, 0 if s.finishes_in_backward else s.reduction)
     at += 1
     point("optimizer step", 0, True, s.step)

@@ -144,7 +144,7 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
         if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
             saved += sharded * m.dim * (4 if autocast(cfg) else 2)
     else:  # the stage's output stays referenced until its gradient comes back
-        saved += sharded * m.dim * item
+        saved += boundary_bytes(cfg)
     if autocast(cfg):  # the bf16 weight copies each matmul saves (a block recomputed in full
         # saves none until its backward rebuilds it)
         matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim) if cfg.train.recompute != "full" else 0
@@ -175,6 +175,67 @@ def compute_program(cfg: Config, pp_rank: int) -> list[tuple[bool, int]]:
 
     return [(ins.op == FORWARD, ins.chunk) for ins in build_schedule(p.pp_schedule, p.pp, m, p.pp_virtual)[pp_rank]
             if ins.op in (FORWARD, BACKWARD)]
+
+
+def boundary_bytes(cfg: Config) -> int:
+    """One tensor crossing a pipeline stage boundary (an activation or its gradient): the residual
+    stream of a micro-batch, in the weights' dtype (fp32 under autocast), sequence-sharded under SP
+    (parallel/pipeline/runner.py)."""
+    p = cfg.parallel
+    batch, seq = microbatch_tokens(cfg)
+    return batch * seq // (p.tp if p.sp else 1) * cfg.model.dim * (2 if bf16_weights(cfg) else 4)
+
+
+def boundary_held_bytes(cfg: Config, pp_rank: int, backend: str) -> list[tuple[int, int]]:
+    """For each compute instruction of rank `pp_rank` (compute_program's order), the bytes of
+    stage-boundary tensors the pipeline engine holds beside what the compute itself reads: during
+    it, and after it once the next batch of sends and receives is posted (where owed weight
+    gradients are flushed). The engine posts a receive's buffer with its batch, long before the
+    compute that reads it, and keeps a sent tensor until its send is known to be done: on NCCL at
+    the next post, on gloo only at reduce_grads (gloo never reports a send complete before it is
+    waited: pytorch/pytorch#30723), so a stage sending gradients keeps every one of the step's.
+    A sent activation is the stage's output, counted in what the chunk saves until its backward."""
+    from meshlm.parallel.pipeline.runner import microbatch_plan
+    from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
+                                                    build_schedule, p2p_batches)
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return [(0, 0)] * len(compute_program(cfg, pp_rank))
+    program = build_schedule(p.pp_schedule, p.pp, microbatch_plan(cfg)[0], p.pp_virtual)[pp_rank]
+    posted: set[tuple] = set()  # receive buffers posted, not yet read
+    unsent: set[tuple] = set()  # input gradients made, not yet posted
+    sending: set[tuple] = set()  # (op, chunk, mb) the engine's sends still hold
+    backwarded: set[tuple] = set()  # (chunk, mb) whose backward has run: the output only the send holds
+
+    def held() -> int:
+        outputs = sum(1 for op, *key in sending if op != SEND_ACT or tuple(key) in backwarded)
+        return boundary_bytes(cfg) * (len(posted) + len(unsent) + outputs)
+
+    out: list[list[int]] = []
+    for item in p2p_batches(program):
+        if isinstance(item, list):
+            if backend == "nccl":
+                sending.clear()  # done by now: pruned at this post
+            for ins in item:
+                key = (ins.chunk, ins.microbatch)
+                if ins.op in (RECV_ACT, RECV_GRAD):
+                    posted.add((ins.op, *key))
+                else:
+                    unsent.discard(key) if ins.op != SEND_ACT else None
+                    sending.add((ins.op, *key))
+            if out:
+                out[-1][1] = held()
+        elif item.op in (FORWARD, BACKWARD):
+            key = (item.chunk, item.microbatch)
+            posted.discard((RECV_ACT if item.op == FORWARD else RECV_GRAD, *key))  # read by this compute
+            during = held()
+            if item.op == BACKWARD:
+                backwarded.add(key)
+                if item.chunk * p.pp + pp_rank > 0:  # the input's gradient, to send back
+                    unsent.add(key)
+            out.append([during, held()])
+    return [(during, after) for during, after in out]
 
 
 def micro_batches_in_flight(cfg: Config, pp_rank: int) -> int:
@@ -301,16 +362,17 @@ def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
     return batch * seq * inputs * activation_itemsize(cfg)
 
 
-def deferred_wgrad_bytes(cfg: Config, stage: int) -> int:
+def deferred_wgrad_bytes(cfg: Config, stage: int, layers: int | None = None) -> int:
     """Pipeline stages after the first defer their linears' weight gradients in each chunk's last
     backward (parallel/pipeline/deferred_wgrad.py): every linear's output gradient (and, under full
-    recompute, every rebuilt block) stays alive until the flush."""
+    recompute, every rebuilt block) stays alive until the flush. `layers`: owed once that many of
+    the stage's blocks (from the top) have run their backward; default all of them."""
     m, p = cfg.model, cfg.parallel
     if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1:
         return 0
     batch, seq = microbatch_tokens(cfg)
     tokens, item = batch * seq, activation_itemsize(cfg)
-    layers = len(stage_ranges(cfg)[stage])
+    layers = len(stage_ranges(cfg)[stage]) if layers is None else layers
     outputs = (m.n_heads // p.tp + 2 * max(1, m.n_kv_heads // p.tp)) * m.head_dim + 2 * m.dim + 2 * m.ffn_dim // p.tp
     out = layers * tokens * outputs * item
     if cfg.train.recompute == "full":
