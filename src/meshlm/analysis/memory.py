@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshlm.analysis.memory_terms import (activation_itemsize, block_saved_bytes, boundary_held_bytes,
-                                          chunk_saved_bytes,
+from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes, boundary_bytes,
+                                          boundary_held_bytes, chunk_saved_bytes,
                                           compute_program, deferred_inputs_bytes, deferred_wgrad_bytes,
-                                          engine_state, largest_deferred_weight, last_stage, layer_parameters,
+                                          engine_state, head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)
@@ -114,8 +114,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
 
     boundary = 0  # stage-boundary tensors the pipeline engine holds beside the compute (boundary_held_bytes)
 
-    def point(phase: str, activations: float, grads: bool, other: float, grad_share: float = 1.0) -> None:
-        parts = (s.params, s.grads * grad_share if grads else 0, s.optimizer, s.master, activations,
+    def point(phase: str, activations: float, grads: bool, other: float, grad_share: float | None = None) -> None:
+        share = made if grad_share is None else grad_share
+        parts = (s.params, s.grads * share if grads else 0, s.optimizer, s.master, activations,
                  fixed + other + boundary)
         points.append((at, RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
                                       *(int(x) for x in parts), int(sum(parts)), phase)))
@@ -125,8 +126,15 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     saved = {stage: chunk_saved_bytes(cfg, stage) for stage in stages}
     blocks = {stage: len(stage_ranges(cfg)[stage]) * block_saved for stage in stages}  # the blocks' part of saved
     n = sum(counts.values())
-    # at one rank autograd makes the gradients one by one: by a chunk's first block, all but its and the embedding's
-    share_at_first_block = (n - counts["embedding"] - layer_parameters(m, p.tp)) / n if s.grads_one_by_one else 1
+
+    def chunk_share(stage: int) -> float:  # of this rank's parameters
+        chunk = len(stage_ranges(cfg)[stage]) * layer_parameters(m, p.tp) + (counts["embedding"] if stage == 0 else 0)
+        return (chunk + (counts["head"] + counts["norm"] if stage == last else 0)) / n
+
+    # At one rank (DDP) autograd makes the gradients one by one: they exist for the chunks that have
+    # run a backward, and by a chunk's first one's first block, all of its but that block's and the
+    # embedding's. Elsewhere the engine's gradient storage is whole.
+    made, made_chunks = (0.0 if s.grads_one_by_one else 1.0), set()
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
     held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
@@ -134,12 +142,15 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         at, stage = i, chunk * p.pp + pp_rank
         boundary = held[i][0]
         if forward:
-            # while the chunk's last block computes: its gathered unit (FSDP), and under full
-            # recompute (no graph kept) the MLP's live tensors: residual, normalised input, gate,
-            # up and silu(gate)
-            unsaved = 0
+            # while the chunk's last block computes: its gathered unit (FSDP), and what the block
+            # holds unsaved: under full recompute (no graph kept) the MLP's live tensors (residual,
+            # normalised input, gate, up and silu(gate)); else, at its last add, the down
+            # projection's output beside the block's output being made and, with bf16 weights
+            # (whose norms save an fp32 upcast instead), the block's input and mid-block residual
             if cfg.train.recompute == "full":
                 unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg)
+            else:
+                unsaved = tokens * m.dim * activation_itemsize(cfg) + boundary_bytes(cfg) * (1 + 2 * bf16_weights(cfg))
             point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
@@ -156,10 +167,12 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # gradient is handed over, after this
             point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming + sp_gathered)
             live -= vocab
+            head = head_saved_bytes(cfg)  # the rest of it goes with the final norm's backward
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
                   s.gathered_loss + s.weight_grad + incoming + s.in_flight)
+            live -= head - vocab
         # a deferring backward (its chunk's last) keeps each linear's output gradient for the flush
         defers = last_backward[chunk] == i
         deferred = deferred_wgrad_bytes(cfg, stage) if defers else 0
@@ -172,17 +185,25 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         if s.grads_after_top_block and not grads:
             point("block backward", live - block_saved, True, during)
         # its first block: one block's activations left, the other blocks' gradients made
-        rest = live - saved[stage] + (vocab if stage == last else 0)
+        rest = live - saved[stage] + (head if stage == last else 0)
         above = deferred_wgrad_bytes(cfg, stage, layers=len(stage_ranges(cfg)[stage]) - 1) if defers else 0
-        point("block backward", rest + block_saved, True, during + above, 1 if grads else share_at_first_block)
+        first_share = made
+        if s.grads_one_by_one and chunk not in made_chunks:
+            first_share += chunk_share(stage) - (counts["embedding"] * (stage == 0) + layer_parameters(m, p.tp)) / n
+        point("block backward", rest + block_saved, True, during + above, first_share)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
-        live -= saved[stage] - (vocab if stage == last else 0)
+        if s.grads_one_by_one and chunk not in made_chunks:
+            made_chunks.add(chunk)
+            made += chunk_share(stage)
+        live -= saved[stage] - (head if stage == last else 0)
         if deferred:  # the flush (after the next sends and receives): what is owed, one weight's gradient at a time
             boundary = held[i][1]
+            # (under autocast each is made in bf16, then cast to the fp32 weight's dtype)
+            item = s.param_item + (activation_itemsize(cfg) if autocast(cfg) else 0)
             point("weight gradients", live, True, deferred + deferred_inputs_bytes(cfg, stage)
-                  + s.param_item * largest_deferred_weight(cfg, stage))
+                  + item * largest_deferred_weight(cfg, stage))
             boundary = held[i][0]
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)

@@ -135,22 +135,28 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
     sharded = tokens // p.tp if p.sp else tokens
     layers = len(stage_ranges(cfg)[stage])
     saved = layers * block_saved_bytes(cfg)[0]
-    if stage == last_stage(cfg):
-        # the final norm's input, normalised and weighted values (the head's input) and fp32
-        # statistic; the loss keeps the logits, in their dtype, and per row its two fp32 sums
-        # (model/loss.py), the int64 target and a bool mask
-        saved += 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * activation_itemsize(cfg)
-        saved += tokens * (8 + 8 + 1)
-        if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
-            saved += sharded * m.dim * (4 if autocast(cfg) else 2)
-    else:  # the stage's output stays referenced until its gradient comes back
-        saved += boundary_bytes(cfg)
-    if autocast(cfg):  # the bf16 weight copies each matmul saves (a block recomputed in full
-        # saves none until its backward rebuilds it)
-        matmul = layers * (layer_parameters(m, p.tp) - 2 * m.dim) if cfg.train.recompute != "full" else 0
-        if stage == last_stage(cfg):
-            matmul += vocab_local(cfg) * m.dim
-        saved += 2 * matmul
+    # the stage's output stays referenced until its gradient comes back
+    saved += head_saved_bytes(cfg) if stage == last_stage(cfg) else boundary_bytes(cfg)
+    if autocast(cfg) and cfg.train.recompute != "full":  # the bf16 weight copies each matmul
+        # saves (a block recomputed in full saves none until its backward rebuilds it)
+        saved += 2 * layers * (layer_parameters(m, p.tp) - 2 * m.dim)
+    return saved
+
+
+def head_saved_bytes(cfg: Config) -> int:
+    """What the last stage saves per micro-batch beyond its blocks: the final norm's input,
+    normalised and weighted values (the head's input) and fp32 statistic; the loss keeps the
+    logits, in their dtype, and per row its two fp32 sums (model/loss.py), the int64 target and a
+    bool mask. All of it is freed before the top block's backward starts."""
+    m, p = cfg.model, cfg.parallel
+    batch, seq = microbatch_tokens(cfg)
+    tokens, item = batch * seq, activation_itemsize(cfg)
+    sharded = tokens // p.tp if p.sp else tokens
+    saved = 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * item + tokens * (8 + 8 + 1)
+    if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
+        saved += sharded * m.dim * (4 if autocast(cfg) else 2)
+    if autocast(cfg):  # the head's bf16 weight copy
+        saved += 2 * vocab_local(cfg) * m.dim
     return saved
 
 
@@ -354,10 +360,11 @@ def largest_deferred_weight(cfg: Config, stage: int) -> int:
 
 def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
     """What the flush of stage `stage` still holds beside the output gradients: each deferred
-    linear's input (the QKV, output, gate/up and down projections' of every layer, the head's)."""
+    linear's input (the QKV, output, gate/up and down projections' of every layer, the head's);
+    under autocast each of the five linears reading the residual stream has its own bf16 copy."""
     m, p = cfg.model, cfg.parallel
     batch, seq = microbatch_tokens(cfg)
-    per_layer = 2 * m.dim + m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp
+    per_layer = (5 if autocast(cfg) else 2) * m.dim + m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp
     inputs = len(stage_ranges(cfg)[stage]) * per_layer + (m.dim if stage == last_stage(cfg) else 0)
     return batch * seq * inputs * activation_itemsize(cfg)
 
