@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.analysis.memory import rank_points
-from meshlm.analysis.memory_terms import rope_table_bytes
+from meshlm.analysis.memory_terms import boundary_bytes, rope_table_bytes
 
 # The model's phases, grouped into the windows a probe can cut from outside the engines; a
 WINDOW_OF_PHASE = {"forward": "forward", "loss": "loss", "loss backward": "backward",
@@ -103,6 +103,8 @@ def predicted_windows(cfg, pp_rank: int, backend: str) -> tuple[int, list[tuple[
     points = rank_points(cfg, pp_rank, backend)
     base = points[0][1]
     start = base.params_bytes + base.optimizer_bytes + base.master_bytes + rope_table_bytes(cfg)
+    if pp_rank > 0:  # its first forward's input: a receive buffer, posted before the first window opens
+        start += boundary_bytes(cfg)
     after = points[-1][0] - 1  # the instruction index of the reduction after the program
     windows: dict[tuple[int, str], int] = {}
     for at, point in points:

@@ -142,7 +142,9 @@ def test_data_parallel_times_pipeline_equals_single_process(corpus, tmp_path, tm
     extra = ["parallel.dp=2", "parallel.pp=2", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}"]
     ranks = run_ranks(_rank, 4, corpus, tmp_path, 4, extra, timeout=180)
     assert_matches(ref, ranks)
-    assert all(r["defers"] for r in ranks)  # ZeRO-0 (DDP) defers weight gradients by default
+    # ZeRO-0 (DDP) defers weight gradients by default, on every rank holding a chunk after the
+    # first (virtual stage 0 sends no gradient: nothing of it defers, and it keeps no store)
+    assert sum(r["defers"] for r in ranks) == (4 if virtual == 2 else 2)
 
 
 def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_path, tmp_path_factory):
@@ -188,8 +190,9 @@ def test_tied_embeddings_across_stages_with_zero(corpus, tmp_path, tmp_path_fact
     first = [r["copy"] for r in ranks if r["pp"] == 0]
     last = [r["copy"] for r in ranks if r["pp"] == 1]
     assert all(torch.equal(a, b) for a in first for b in last)
-    # ZeRO-2/3 reduce inside each backward: they keep the plain backward (docs/pipeline.md).
-    assert all(r["defers"] == (zero <= 1) for r in ranks)
+    # ZeRO-2/3 reduce inside each backward: they keep the plain backward (docs/pipeline.md). The
+    # first stage sends no gradient and defers nothing in any case.
+    assert all(r["defers"] == (zero <= 1 and r["pp"] == 1) for r in ranks)
 
 
 def _uneven_rank(corpus, run_dir):

@@ -312,8 +312,14 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     embedding_grad = counts["embedding"]
     if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
+        # torch's per-tensor AdamW makes two temporaries per tensor (sqrt, then the division), and
+        # the previous tensor's denominator lives until the next replaces it: a block's three
+        # ffn-sized weights are updated in a row (w1, w2, w3), a vocabulary table alone
+        ffn_largest = m.ffn_dim // p.tp >= m.n_heads // p.tp * m.head_dim
+        in_a_row = 3 if ffn_largest else 2
         return EngineState(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, embedding_grad=4 * embedding_grad,
-                           step=2 * 4 * largest, grads_early=d > 1, grads_one_by_one=d == 1)
+                           step=4 * max(2 * vocab_table, in_a_row * block_largest), grads_early=d > 1,
+                           grads_one_by_one=d == 1)
     master = 4 * n / d if bf16 else 0
     fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
     if p.zero in (1, 2):
@@ -375,7 +381,7 @@ def deferred_wgrad_bytes(cfg: Config, stage: int, layers: int | None = None) -> 
     recompute, every rebuilt block) stays alive until the flush. `layers`: owed once that many of
     the stage's blocks (from the top) have run their backward; default all of them."""
     m, p = cfg.model, cfg.parallel
-    if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1:
+    if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1 or p.tp > 1:  # (tp's linears never defer)
         return 0
     batch, seq = microbatch_tokens(cfg)
     tokens, item = batch * seq, activation_itemsize(cfg)

@@ -341,8 +341,9 @@ def step_time(work: Workload, lay: Layout, simulate: bool = True) -> StepTime:
     else:
         fwd = tuple(r.forward / v for r in ranks)
         bwd = tuple(r.backward / v for r in ranks)
-        # meshlm defers weight gradients in pipelines with ZeRO 0/1 (parallel.pp_defer_wgrad).
-        wf = ranks[0].weight_grads / ranks[0].backward if lay.zero <= 1 else 0.0
+        # meshlm defers weight gradients in pipelines with ZeRO 0/1 (parallel.pp_defer_wgrad),
+        # of plain linears only (tensor-parallel layers keep their own backward)
+        wf = ranks[0].weight_grads / ranks[0].backward if lay.zero <= 1 and lay.tp == 1 else 0.0
         p2p = p2p_seconds(work, lay)
         pipe = _pipeline(lay.pp_schedule, lay.pp, m, v, fwd, bwd, p2p, wf)
         # (max: deferred weight gradients can fill a P2P wait that would otherwise idle)

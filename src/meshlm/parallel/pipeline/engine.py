@@ -101,11 +101,11 @@ class PipelineEngine:
         self.split_sends = p2p.ctx.backend == "gloo"
         self.weight_grads: deferred_wgrad.WeightGradStore | None = None
         if defer_weight_grads:
-            self.weight_grads = deferred_wgrad.WeightGradStore()
-            for chunk in range(stage.virtual):
-                if not stage.is_first(chunk):
-                    for module in stage.chunk_modules(chunk):
-                        deferred_wgrad.defer_weight_grads(module, self.weight_grads)
+            store = deferred_wgrad.WeightGradStore()
+            switched = sum(deferred_wgrad.defer_weight_grads(module, store) for chunk in range(stage.virtual)
+                           if not stage.is_first(chunk) for module in stage.chunk_modules(chunk))
+            # tensor-parallel layers keep their own autograd functions: with nothing to defer, no store
+            self.weight_grads = store if switched else None
 
     def run(self, program: Sequence[Instruction], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_divisor: float = 1.0,
@@ -160,6 +160,7 @@ class PipelineEngine:
                         loss = loss_fn(out, microbatches[ins.microbatch][1].to(self.device))
                         stats.loss_sum += loss.detach().double()
                         out = loss / loss_divisor
+                        del loss  # its graph holds the stage's input: past the backward, to the next forward
                     elif out.dtype != spec.dtype or tuple(out.shape) != spec.shape:
                         raise RuntimeError(f"chunk {ins.chunk} produced activations of {list(out.shape)} {out.dtype}; "
                                            f"the stages agreed on {spec}")
