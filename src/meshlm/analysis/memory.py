@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes, boundary_bytes,
-                                          boundary_held_bytes, chunk_saved_bytes,
-                                          compute_program, deferred_inputs_bytes, deferred_wgrad_bytes,
-                                          engine_state, head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
+from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
+                                          boundary_bytes, boundary_held_bytes, chunk_saved_bytes, compute_program,
+                                          deferred_inputs_bytes, deferred_wgrad_bytes, engine_state,
+                                          head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)

@@ -227,8 +227,9 @@ def boundary_held_bytes(cfg: Config, pp_rank: int, backend: str) -> list[tuple[i
                 key = (ins.chunk, ins.microbatch)
                 if ins.op in (RECV_ACT, RECV_GRAD):
                     posted.add((ins.op, *key))
-                else:
-                    unsent.discard(key) if ins.op != SEND_ACT else None
+                else:  # the tensor passes from the engine's to_send to the send
+                    if ins.op != SEND_ACT:
+                        unsent.discard(key)
                     sending.add((ins.op, *key))
             if out:
                 out[-1][1] = held()
