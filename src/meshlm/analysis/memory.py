@@ -151,10 +151,15 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                 unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg)
             else:
                 unsaved = tokens * m.dim * activation_itemsize(cfg) + boundary_bytes(cfg) * (1 + 2 * bf16_weights(cfg))
-            point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered)
+            # autocast caches its bf16 weight copies until its region (the forward) exits: under
+            # full recompute, where no graph keeps them, those of every block of the chunk
+            cached = 0
+            if autocast(cfg) and cfg.train.recompute == "full":
+                cached = 2 * len(stage_ranges(cfg)[stage]) * (layer_parameters(m, p.tp) - 2 * m.dim)
+            point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered + cached)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
-            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0))
+            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0) + cached)
             if stage == last:
                 point("loss", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=False))
             continue
