@@ -167,6 +167,13 @@ def test_memory_json_for_a_layout_of_64_ranks_without_starting_any(capsys):
                                    "activations_bytes", "other_bytes")]
         assert all(isinstance(x, int) and x >= 0 for x in parts) and sum(parts) == role["peak_bytes"]
     assert out["fits"] and out["device_memory_bytes"] == 80 * 2**30
+    assert [(r["role"], r["ranks"]) for r in out["ranks"]] == [("every rank", 64)]
+
+
+def test_each_pipeline_role_counts_the_ranks_that_have_it(capsys):
+    out = _memory_json(capsys, "model.preset=tiny", "parallel.dp=2", "parallel.tp=2", "parallel.cp=2",
+                       "parallel.pp=4", "train.micro_batch_size=2", "train.global_batch_size=16")
+    assert [(r["role"], r["ranks"]) for r in out["ranks"]] == [("pp0", 8), ("pp1", 8), ("pp2", 8), ("pp3", 8)]
 
 
 def test_memory_names_the_changes_that_would_fit(capsys):

@@ -49,7 +49,7 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "gloo", ("parallel.zero=3",)),
     (4, "shm", ("parallel.zero=3",)),
     # pipelines: every schedule, the deferred weight-gradient flush, P2P buffers, with dp, tp + sp, bf16
-    (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+    (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=1f1b", "model.n_layers=4")),  # two blocks a stage
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full")),
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")),
     (2, "shm", ("parallel.pp=2", "parallel.zero=1", "train.dtype=bfloat16")),
