@@ -197,6 +197,50 @@ def test_background_save_holds_the_state_of_its_step(corpus, tmp_path, layout):
     assert straight[SAVE_AT:] == rest
 
 
+def _save_reports(corpus, run_dir, world_size):
+    import time
+
+    from meshlm.train.checkpoint import state
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, "parallel.zero=1", steps=2))
+    trainer.train_step()
+    sync = state.save_checkpoint(trainer, run_dir / "sync", keep=2)
+    t0 = time.perf_counter()
+    background = state.save_checkpoint(trainer, run_dir / "background", keep=2, background=True)
+    pending = trainer.pending_save
+    state.wait_for_save(trainer)
+    return sync.bytes, background.bytes, pending.seconds, time.perf_counter() - t0, trainer.ctx.rank
+
+
+def test_a_save_reports_the_bytes_it_wrote_and_how_long_the_writing_took(corpus, tmp_path):
+    """A save's report: every file of the checkpoint together (a background save: this rank's
+    tensors, the total being unknown when it returns), and the background writing's duration."""
+    from safetensors import safe_open
+
+    from meshlm.train.checkpoint.store import MANIFEST, rank_file
+
+    results = run_ranks(_save_reports, 2, corpus, tmp_path, 2)
+    step = tmp_path / "sync" / "step_0000001"
+    on_disk = sum(p.stat().st_size for p in step.iterdir() if p.name != MANIFEST)
+    for sync_bytes, background_bytes, seconds, elapsed, rank in results:
+        assert sync_bytes == on_disk
+        with safe_open(tmp_path / "background" / "step_0000001" / rank_file(rank), "pt") as f:
+            assert background_bytes == sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        assert 0 < seconds <= elapsed
+
+
+def test_a_rank_that_never_finishes_its_part_of_a_save_is_named(tmp_path):
+    from meshlm.train.checkpoint import state
+    from meshlm.train.checkpoint.store import CheckpointError
+
+    tmp = tmp_path / ".tmp_step_0000001"
+    tmp.mkdir()
+    state._write_rank(tmp, 0, {"x": torch.zeros(2)}, {}, {})
+    with pytest.raises(CheckpointError, match=r"no rank00001\.entries\.json after 0 s \(a rank failed mid-save\)"):
+        state._finish(tmp, tmp_path / "step_0000001", world_size=2, step=1, keep=2, timeout_s=0)
+    assert not (tmp_path / "step_0000001").exists()
+
+
 @pytest.mark.parametrize("flags, on_parameter_device", [({"fused": True}, True), ({"capturable": True}, True),
                                                         ({"fused": None, "capturable": False}, False)])
 def test_resumed_adamw_step_lives_where_torchs_kernels_read_it(flags, on_parameter_device):

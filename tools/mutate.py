@@ -115,6 +115,11 @@ MODULES = {
         "tests/test_checkpoint_store.py", "tests/test_checkpoint.py", "tests/test_checkpoint_cli.py",
         "-k", "store or single_process_resume or chain or background or stored_tensors or corrupt or no_good or "
               "bad_resume or fresh_start or async_save"]),
+    # A trainer's whole state, saved and loaded: exact resume against the uninterrupted run on every
+    # layout, reshard between layouts, the background save, signals and crashes, what is stored.
+    "checkpoint_state": ("src/meshlm/train/checkpoint/state.py", [
+        "tests/test_checkpoint.py", "tests/test_checkpoint_pieces.py", "tests/test_checkpoint_store.py",
+        "tests/test_checkpoint_cli.py"]),
     # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
