@@ -41,6 +41,7 @@ GRID: list[tuple[int, tuple[str, ...]]] = [
     (2, (*PP2, "parallel.pp_schedule=gpipe")),
     (2, (*PP2, "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")),
     (2, (*PP2, "parallel.pp_schedule=1f1b", "train.recompute=full")),
+    (2, (*PP2, "parallel.zero=1", "train.dtype=bfloat16")),  # bf16 activations between the stages
     (4, ("parallel.zero=3",)),
     (4, ("parallel.zero=3", *WIDE)),  # gathered units and their prefetch dominate
     (2, ("parallel.zero=2", *WIDE)),
