@@ -209,7 +209,10 @@ def _save_reports(corpus, run_dir, world_size):
     background = state.save_checkpoint(trainer, run_dir / "background", keep=2, background=True)
     pending = trainer.pending_save
     state.wait_for_save(trainer)
-    return sync.bytes, background.bytes, pending.seconds, time.perf_counter() - t0, trainer.ctx.rank
+    elapsed = time.perf_counter() - t0
+    # the time training was blocked: under the whole save (sync), under its writing (background)
+    assert 0 < sync.seconds and 0 < background.seconds <= elapsed
+    return sync.bytes, background.bytes, pending.seconds, elapsed, trainer.ctx.rank
 
 
 def test_a_save_reports_the_bytes_it_wrote_and_how_long_the_writing_took(corpus, tmp_path):
@@ -239,6 +242,26 @@ def test_a_rank_that_never_finishes_its_part_of_a_save_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"no rank00001\.entries\.json after 0 s \(a rank failed mid-save\)"):
         state._finish(tmp, tmp_path / "step_0000001", world_size=2, step=1, keep=2, timeout_s=0)
     assert not (tmp_path / "step_0000001").exists()
+
+
+def test_the_save_waits_for_a_rank_whose_part_comes_late(tmp_path):
+    """Rank 0 polls for the other ranks' entries until its deadline, not only once (a timeout under
+    a second, so a deadline computed as a product of the clock and the timeout would pass at once)."""
+    import threading
+
+    from meshlm.train.checkpoint import state
+
+    tmp = tmp_path / ".tmp_step_0000001"
+    tmp.mkdir()
+    state._write_rank(tmp, 0, {"x": torch.zeros(2)}, {}, {})
+    late = threading.Timer(0.05, state._write_rank, (tmp, 1, {"y": torch.ones(3)}, {}, {}))
+    late.start()
+    try:
+        total = state._finish(tmp, tmp_path / "step_0000001", world_size=2, step=1, keep=2, timeout_s=0.9)
+    finally:
+        late.join()
+    files = [p for p in (tmp_path / "step_0000001").iterdir() if p.name.startswith("rank")]
+    assert total == sum(p.stat().st_size for p in files) and len(files) == 2
 
 
 @pytest.mark.parametrize("flags, on_parameter_device", [({"fused": True}, True), ({"capturable": True}, True),
