@@ -109,9 +109,9 @@ class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask, on already projected and rotated heads.
 
     A module of its own, holding no parameters, so that selective activation checkpointing can
-    wrap exactly this piece: its [B, H, S, S] intermediates are the largest activations of the
-    block yet cheap to recompute (no weights to read), and context parallelism can swap it for
-    ring attention without touching the projections.
+    wrap exactly this piece (with an eager kernel its [B, H, S, S] scores would be the block's
+    largest activations; SDPA's flash kernels keep only the output and the log-sum-exp), and
+    context parallelism can swap it for ring attention without touching the projections.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """Activation checkpointing: reduces activation memory by storing only each block's input and
 recomputing the rest in backward; costs one extra forward of what is recomputed (~33% for full).
 
-`full` recomputes whole transformer blocks (activation memory per layer falls from
-~34·s·b·h + 5·a·s²·b bytes to 2·s·b·h). `selective` (Korthikanti et al. 2022) recomputes only the
-attention core — the softmax(QKᵀ)V part whose memory grows with s² but whose FLOPs are small —
-keeping the large linear-layer activations.
+`full` recomputes whole transformer blocks (the saved activations per layer fall from ~34·s·b·h
+bytes in bf16 to the block's input, 2·s·b·h). `selective` (Korthikanti et al. 2022) recomputes only
+the attention core, chosen in the paper because an eager core stores its [b, a, s, s] scores
+(5·a·s²·b bytes) for little compute. meshlm's core is PyTorch's scaled_dot_product_attention, whose
+flash kernels (CPU and CUDA) store no s x s matrix: selective drops only the core's log-sum-exp
+(its output is the output projection's saved input anyway), measured in docs/memory.md. To save
+memory use `full`; `selective` pays where a core does store scores (ring attention stores none
+and is skipped).
 """
 
 from __future__ import annotations
