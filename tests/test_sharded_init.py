@@ -75,6 +75,18 @@ def test_sharded_build_equals_the_single_process_init(layout):
         assert torch.equal(got, want), name
 
 
+def test_row_parallel_weights_are_drawn_a_block_of_rows_at_a_time(monkeypatch):
+    """A row-parallel weight's shard is this rank's columns of full rows, drawn STREAM_CHUNK
+    elements at a time: with a chunk of two 64-wide rows (the output projection's; the down
+    projection's 160-wide rows one at a time), every block boundary is crossed, and the shards
+    still equal the single-process init."""
+    from meshlm.parallel import sharded_init
+
+    monkeypatch.setattr(sharded_init, "STREAM_CHUNK", 128)
+    monkeypatch.setattr(init_module, "STREAM_CHUNK", 128)
+    test_sharded_build_equals_the_single_process_init("tp2-padded-vocab-tied")  # forked ranks inherit both
+
+
 # --------------------------------------------------------------------------- construction memory
 
 

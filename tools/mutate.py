@@ -120,6 +120,11 @@ MODULES = {
     "checkpoint_state": ("src/meshlm/train/checkpoint/state.py", [
         "tests/test_checkpoint.py", "tests/test_checkpoint_pieces.py", "tests/test_checkpoint_store.py",
         "tests/test_checkpoint_cli.py"]),
+    # Sharded construction: every layout's shards equal the single-process init, each rank
+    # allocating only its own (a 1b model within its shard); the trainer under TP + SP, whose
+    # norms' gradient hooks survive the swap from meta.
+    "sharded_init": ("src/meshlm/parallel/sharded_init.py", [
+        "tests/test_sharded_init.py", "tests/test_tensor_parallel.py::test_trainer_steps_equal_the_single_process_run"]),
     # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
