@@ -185,12 +185,32 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_step
                    "tok_embeddings.weight", "[512, 64]")
     one_line_error(capsys, train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}",
                                       "train.global_batch_size=16"), "train.global_batch_size")
+    one_line_error(capsys, train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}", "train.seq_len=16"),
+                   "train.seq_len: 16, but checkpoint")
     one_line_error(capsys, train_args(corpus, tmp_path / "e", "checkpoint.interval=-1"), "checkpoint.interval")
     # the run directory's own checkpoints of another model: auto names the tensor and the way out
     one_line_error(capsys, train_args(corpus, tmp_path / "run", "model.n_layers=3"), "layers.2", "checkpoint.resume=never")
     assert json.loads((ckpt / "manifest.json").read_text())["step"] == 2  # untouched by any of it
     proc = meshlm(*train_args(corpus, tmp_path / "f", "checkpoint.interval=-1"))  # and through a real process
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "checkpoint.interval" in proc.stderr
+
+
+def test_an_explicit_older_checkpoint_is_the_one_resumed(corpus, tmp_path, four_steps, straight, monkeypatch):
+    """checkpoint.resume=<a checkpoint> (here relative to the working directory) continues from
+    exactly that one, though a newer one lies beside it, and fails if a file of it is damaged."""
+    copy_of(four_steps, tmp_path / "old")
+    monkeypatch.chdir(tmp_path)
+    resumed = run_meshlm(*train_args(corpus, tmp_path / "new", "checkpoint.resume=old/checkpoints/step_0000002"),
+                         in_process=True)
+    assert "resuming from" in resumed.stdout and "step_0000002" in resumed.stdout
+    rows = read_metrics(tmp_path / "new")  # a new run directory: its rows start at step 3
+    assert [r["step"] for r in rows] == [3, 4, 5, 6] and [r["loss"] for r in rows] == straight[2:]
+    damaged = tmp_path / "old" / "checkpoints" / "step_0000004" / "rank00000.safetensors"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    damaged_args = train_args(corpus, tmp_path / "third", "checkpoint.resume=old/checkpoints/step_0000004")
+    failed = meshlm_in_process(*damaged_args, code=None)
+    assert failed.returncode != 0 and "rank00000.safetensors" in failed.stdout + failed.stderr
 
 
 def test_fresh_start_sets_earlier_checkpoints_aside(corpus, tmp_path, four_steps):

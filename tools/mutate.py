@@ -120,6 +120,10 @@ MODULES = {
     "checkpoint_state": ("src/meshlm/train/checkpoint/state.py", [
         "tests/test_checkpoint.py", "tests/test_checkpoint_pieces.py", "tests/test_checkpoint_store.py",
         "tests/test_checkpoint_cli.py"]),
+    # Which checkpoint a run continues from: auto, never, a path; the launcher's checks before
+    # any rank starts, the ranks' shared verification, a restart always resuming.
+    "resume": ("src/meshlm/train/checkpoint/resume.py", [
+        "tests/test_checkpoint_cli.py", "tests/test_checkpoint_store.py", "tests/test_checkpoint.py"]),
     # Sharded construction: every layout's shards equal the single-process init, each rank
     # allocating only its own (a 1b model within its shard); the trainer under TP + SP, whose
     # norms' gradient hooks survive the swap from meta.
