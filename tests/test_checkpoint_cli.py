@@ -149,6 +149,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_pa
     (tmp_path / "checkpoints" / "step_0000005").mkdir()  # a directory without a manifest: never loaded
     proc = run_meshlm(*train_args(corpus, tmp_path), in_process=True)
     assert "rank00000.safetensors: contents do not match the manifest's checksum" in proc.stdout + proc.stderr
+    # the launcher passes over the directory without a manifest to step 4 (only the ranks hash
+    # the tensors and fall back further)
+    assert "skipping checkpoint step_0000005" in proc.stdout + proc.stderr and "resuming from" in proc.stdout
     assert "resumed from" in proc.stdout and "step_0000002" in proc.stdout
     assert losses(tmp_path) == straight
 
@@ -205,6 +208,11 @@ def test_an_explicit_older_checkpoint_is_the_one_resumed(corpus, tmp_path, four_
     assert "resuming from" in resumed.stdout and "step_0000002" in resumed.stdout
     rows = read_metrics(tmp_path / "new")  # a new run directory: its rows start at step 3
     assert [r["step"] for r in rows] == [3, 4, 5, 6] and [r["loss"] for r in rows] == straight[2:]
+    # it was saved by a 4-step run: the longer schedule is named (steps 1-2 are warmup, alike in both)
+    assert "another schedule (train.steps 4 -> 6)" in resumed.stdout + resumed.stderr
+    whole_run = run_meshlm(*train_args(corpus, tmp_path / "next", "checkpoint.resume=old"), in_process=True)
+    assert "step_0000004" in whole_run.stdout  # a run directory: its newest checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path / "next")] == [5, 6]
     damaged = tmp_path / "old" / "checkpoints" / "step_0000004" / "rank00000.safetensors"
     data = damaged.read_bytes()
     damaged.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
