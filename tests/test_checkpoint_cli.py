@@ -210,6 +210,9 @@ def test_an_explicit_older_checkpoint_is_the_one_resumed(corpus, tmp_path, four_
     assert [r["step"] for r in rows] == [3, 4, 5, 6] and [r["loss"] for r in rows] == straight[2:]
     # it was saved by a 4-step run: the longer schedule is named (steps 1-2 are warmup, alike in both)
     assert "another schedule (train.steps 4 -> 6)" in resumed.stdout + resumed.stderr
+    absolute = tmp_path / "old" / "checkpoints" / "step_0000002"
+    run_meshlm(*train_args(corpus, tmp_path / "again", f"checkpoint.resume={absolute}"), in_process=True)
+    assert [r["loss"] for r in read_metrics(tmp_path / "again")] == straight[2:]
     whole_run = run_meshlm(*train_args(corpus, tmp_path / "next", "checkpoint.resume=old"), in_process=True)
     assert "step_0000004" in whole_run.stdout  # a run directory: its newest checkpoint
     assert [r["step"] for r in read_metrics(tmp_path / "next")] == [5, 6]
