@@ -171,7 +171,8 @@ def _boundary_tensors_held(world: int, extra: tuple[str, ...], corpus: Path, run
     engine_module.p2p_batches = traced_batches
     try:
         trainer.train_step()
-        received.clear(), sent.clear(), done.clear(), counts.clear()
+        for seen in (received, sent, done, counts):  # step 2 alone
+            seen.clear()
         trainer.train_step()
     finally:
         engine_module.p2p_batches = batches
