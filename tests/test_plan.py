@@ -142,6 +142,31 @@ def test_recompute_and_tp_cost_time_and_the_bottleneck_is_named():
     assert step_time(planner.workload("1b", 1), Layout(1, 1, 1, 1, 0, "none", 4)).bottleneck == "compute"
 
 
+def test_throughput_and_the_parts_of_a_step_are_what_they_say(monkeypatch):
+    """tokens/s is the global batch's tokens over the step; a layout without a pipeline has no P2P
+    on its critical path; the simulated pipeline gets a weight-gradient share only where meshlm
+    defers (ZeRO 0/1 and tp 1: tensor-parallel linears keep their own backward)."""
+    import meshlm.analysis.steptime as steptime
+
+    work = planner.workload("llama3-8b", 8)
+    plain = step_time(work, Layout(8, 1, 1, 1, 1, "none", 1))
+    assert plain.tokens_per_s == pytest.approx(work.global_batch * work.seq / plain.step_time_s, rel=1e-12)
+    assert plain.pp_comm_s == 0 and plain.bubble_s == 0
+    shares = []
+    real = steptime._pipeline
+    monkeypatch.setattr(steptime, "_pipeline", lambda *a: shares.append(a[-1]) or real(*a))
+    for tp, zero in [(1, 1), (2, 1), (1, 2)]:
+        shares.clear()
+        step_time(work, Layout(8 // (2 * tp), tp, 2, 1, zero, "none", 1, "1f1b"))
+        assert shares and all((share > 0) == (tp == 1 and zero <= 1) for share in shares), (tp, zero, shares)
+
+
+def test_context_parallelism_counts_as_a_model_parallel_axis():
+    simplest = Layout(8, 1, 1, 1, 1, "none", 1)
+    assert Layout(4, 1, 1, 2, 1, "none", 1).complexity()[0] == 1 == Layout(4, 2, 1, 1, 1, "none", 1).complexity()[0]
+    assert simplest.complexity()[0] == 0
+
+
 def test_collectives_without_background_progress_hide_nothing_under_backward():
     from dataclasses import replace
 

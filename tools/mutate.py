@@ -120,6 +120,9 @@ MODULES = {
     "checkpoint_state": ("src/meshlm/train/checkpoint/state.py", [
         "tests/test_checkpoint.py", "tests/test_checkpoint_pieces.py", "tests/test_checkpoint_store.py",
         "tests/test_checkpoint_cli.py"]),
+    # The planner's step-time model: FLOPs at a stated efficiency, each axis's communication in the
+    # alpha-beta model, the simulated bubble; against published setups and hand-derived costs.
+    "steptime": ("src/meshlm/analysis/steptime.py", ["tests/test_plan.py"]),
     # Which checkpoint a run continues from: auto, never, a path; the launcher's checks before
     # any rank starts, the ranks' shared verification, a restart always resuming.
     "resume": ("src/meshlm/train/checkpoint/resume.py", [
