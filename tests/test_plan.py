@@ -161,6 +161,18 @@ def test_throughput_and_the_parts_of_a_step_are_what_they_say(monkeypatch):
         assert shares and all((share > 0) == (tp == 1 and zero <= 1) for share in shares), (tp, zero, shares)
 
 
+def test_selective_recompute_costs_the_attention_cores_forward_again():
+    """Per layer and token, full recompute replays 2·P + 4·s·h FLOPs (the block's matmuls and the
+    attention core), selective only the core's 4·s·h: their ratio, from the model's shape."""
+    work = planner.workload("llama3-70b", 64)
+    m = work.model
+    weights = 2 * m.dim * m.dim + 2 * m.dim * m.n_kv_heads * m.head_dim + 3 * m.dim * m.ffn_dim
+    core = 4 * work.seq * m.dim
+    full, selective = (step_time(work, Layout(2, 8, 4, 1, 0, mode, 1, "1f1b")).recompute_s
+                       for mode in ("full", "selective"))
+    assert selective / full == pytest.approx(core / (2 * weights + core), rel=1e-9)
+
+
 def test_context_parallelism_counts_as_a_model_parallel_axis():
     simplest = Layout(8, 1, 1, 1, 1, "none", 1)
     assert Layout(4, 1, 1, 2, 1, "none", 1).complexity()[0] == 1 == Layout(4, 2, 1, 1, 1, "none", 1).complexity()[0]
