@@ -173,6 +173,24 @@ def test_selective_recompute_costs_the_attention_cores_forward_again():
     assert selective / full == pytest.approx(core / (2 * weights + core), rel=1e-9)
 
 
+@pytest.mark.parametrize("tp,cp", [(8, 2), (1, 16)])  # the backward's hop exposed; both hops exposed
+def test_the_cp_ring_exposes_what_its_hops_take_beyond_the_attention_they_hide_under(tp, cp):
+    """Per layer, c - 1 hops of K and V for this rank's tokens (b·s/c·kv_local·p bytes each, kv
+    heads split over tp): forward each hides under the attention to one block (4·b·s/c·s·h/(t·c)
+    FLOPs), backward's carries the fp32 gradients too (p + 4 bytes) and hides under twice that."""
+    work = planner.workload("llama3-8b", 16)
+    m = work.model
+    lay = Layout(16 // (tp * cp), tp, 1, cp, 1, "none", 1)
+    tokens = work.seq // cp
+    kv_local = max(1, m.n_kv_heads // tp) * m.head_dim
+    hop = [work.comm_time("p2p", 2 * tokens * kv_local * p, cp, tp) for p in (work.itemsize, work.itemsize + 4)]
+    block = 4 * tokens * work.seq * m.dim / tp / cp / work.flop_rate
+    exposed = max(0.0, hop[0] - block) + max(0.0, hop[1] - 2 * block)
+    assert exposed > 0
+    microbatches = work.global_batch // lay.dp
+    assert step_time(work, lay).cp_comm_s == pytest.approx(microbatches * m.n_layers * (cp - 1) * exposed, rel=1e-9)
+
+
 def test_context_parallelism_counts_as_a_model_parallel_axis():
     simplest = Layout(8, 1, 1, 1, 1, "none", 1)
     assert Layout(4, 1, 1, 2, 1, "none", 1).complexity()[0] == 1 == Layout(4, 2, 1, 1, 1, "none", 1).complexity()[0]
