@@ -191,6 +191,20 @@ def test_the_cp_ring_exposes_what_its_hops_take_beyond_the_attention_they_hide_u
     assert step_time(work, lay).cp_comm_s == pytest.approx(microbatches * m.n_layers * (cp - 1) * exposed, rel=1e-9)
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 4)])
+def test_the_planners_parameters_per_rank_are_the_memory_models(tp, pp):
+    """What DP reduces and gathers is sized by rank_params: equal, element for element, to the
+    memory model's count, which tests/test_memory.py checks against the built model."""
+    from meshlm.analysis.memory_terms import rank_parameters
+
+    work = planner.workload("llama3-8b", 16)
+    lay = Layout(16 // (tp * pp), tp, pp, 1, 1, "none", 1, "1f1b" if pp > 1 else "none")
+    cfg = resolve(load_config(None, ["model.preset=llama3-8b", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                     f"parallel.dp={lay.dp}", "train.global_batch_size=512",
+                                     "train.micro_batch_size=1"]), world_size=16)
+    assert [rank_params(work, lay, r) for r in range(pp)] == [sum(rank_parameters(cfg, r).values()) for r in range(pp)]
+
+
 def test_context_parallelism_counts_as_a_model_parallel_axis():
     simplest = Layout(8, 1, 1, 1, 1, "none", 1)
     assert Layout(4, 1, 1, 2, 1, "none", 1).complexity()[0] == 1 == Layout(4, 2, 1, 1, 1, "none", 1).complexity()[0]
