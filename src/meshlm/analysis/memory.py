@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
-                                          boundary_bytes, boundary_held_bytes, chunk_saved_bytes, compute_program,
+                                          block_weight_copy_bytes, boundary_bytes, boundary_held_bytes,
+                                          chunk_saved_bytes, compute_program,
                                           deferred_inputs_bytes, deferred_wgrad_bytes, engine_state,
                                           head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
@@ -109,6 +110,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     block_saved, rebuilt = block_saved_bytes(cfg)
     sp_gathered = tokens * m.dim * activation_itemsize(cfg) if p.sp else 0  # a linear's all-gathered input (SP)
     vocab = tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the loss's saved [tokens, vocab/tp]
+    head = head_saved_bytes(cfg)  # the last stage's saved beyond its blocks (the logits among them)
     points: list[tuple[int, RankMemory]] = []
     at = 0  # the instruction being walked
 
@@ -123,12 +125,13 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
 
     program = compute_program(cfg, pp_rank)
     stages = [c * p.pp + pp_rank for c in range(p.pp_virtual)]
+    layers = {stage: len(stage_ranges(cfg)[stage]) for stage in stages}
     saved = {stage: chunk_saved_bytes(cfg, stage) for stage in stages}
-    blocks = {stage: len(stage_ranges(cfg)[stage]) * block_saved for stage in stages}  # the blocks' part of saved
+    blocks = {stage: layers[stage] * block_saved for stage in stages}  # the blocks' part of saved
     n = sum(counts.values())
 
     def chunk_share(stage: int) -> float:  # of this rank's parameters
-        chunk = len(stage_ranges(cfg)[stage]) * layer_parameters(m, p.tp) + (counts["embedding"] if stage == 0 else 0)
+        chunk = layers[stage] * layer_parameters(m, p.tp) + (counts["embedding"] if stage == 0 else 0)
         return (chunk + (counts["head"] + counts["norm"] if stage == last else 0)) / n
 
     # At one rank (DDP) autograd makes the gradients one by one: they exist for the chunks that have
@@ -153,9 +156,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                 unsaved = tokens * m.dim * activation_itemsize(cfg) + boundary_bytes(cfg) * (1 + 2 * bf16_weights(cfg))
             # autocast caches its bf16 weight copies until its region (the forward) exits: under
             # full recompute, where no graph keeps them, those of every block of the chunk
-            cached = 0
-            if autocast(cfg) and cfg.train.recompute == "full":
-                cached = 2 * len(stage_ranges(cfg)[stage]) * (layer_parameters(m, p.tp) - 2 * m.dim)
+            cached = layers[stage] * block_weight_copy_bytes(cfg) if cfg.train.recompute == "full" else 0
             point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered + cached)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
@@ -172,12 +173,11 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # gradient is handed over, after this
             point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming + sp_gathered)
             live -= vocab
-            head = head_saved_bytes(cfg)  # the rest of it goes with the final norm's backward
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
                   s.gathered_loss + s.weight_grad + incoming + s.in_flight)
-            live -= head - vocab
+            live -= head - vocab  # the rest goes with the final norm's backward
         # a deferring backward (its chunk's last) keeps each linear's output gradient for the flush
         defers = last_backward[chunk] == i
         deferred = deferred_wgrad_bytes(cfg, stage) if defers else 0
@@ -191,15 +191,16 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             point("block backward", live - block_saved, True, during)
         # its first block: one block's activations left, the other blocks' gradients made
         rest = live - saved[stage] + (head if stage == last else 0)
-        above = deferred_wgrad_bytes(cfg, stage, layers=len(stage_ranges(cfg)[stage]) - 1) if defers else 0
+        above = deferred_wgrad_bytes(cfg, stage, layers=layers[stage] - 1) if defers else 0
+        new_chunk = s.grads_one_by_one and chunk not in made_chunks  # its gradients appear in this backward
         first_share = made
-        if s.grads_one_by_one and chunk not in made_chunks:
+        if new_chunk:
             first_share += chunk_share(stage) - (counts["embedding"] * (stage == 0) + layer_parameters(m, p.tp)) / n
         point("block backward", rest + block_saved, True, during + above, first_share)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True
-        if s.grads_one_by_one and chunk not in made_chunks:
+        if new_chunk:
             made_chunks.add(chunk)
             made += chunk_share(stage)
         live -= saved[stage] - (head if stage == last else 0)

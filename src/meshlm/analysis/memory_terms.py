@@ -64,6 +64,13 @@ def autocast(cfg: Config) -> bool:
     return cfg.train.dtype == "bfloat16" and cfg.parallel.zero == 0
 
 
+def block_weight_copy_bytes(cfg: Config) -> int:
+    """One block's bf16 copies of its matmul weights under autocast (the norms' stay fp32); 0
+    otherwise. Saved by each matmul, or (full recompute) held by autocast's cache in the forward
+    and rebuilt with the block in its backward."""
+    return 2 * (layer_parameters(cfg.model, cfg.parallel.tp) - 2 * cfg.model.dim) if autocast(cfg) else 0
+
+
 def last_stage(cfg: Config) -> int:
     """The global index of the last pipeline stage (the one with the head and the loss)."""
     return cfg.parallel.pp * cfg.parallel.pp_virtual - 1
@@ -103,8 +110,7 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
         # input; RoPE saves its bf16 tables
         whole += outside * (14 * m.dim + 4) + 4 * seq * m.head_dim * 2
     if t.recompute == "full":  # the block's input: the residual stream, fp32 under autocast
-        copies = 2 * (layer_parameters(m, p.tp) - 2 * m.dim) if autocast(cfg) else 0  # rebuilt with the block
-        return outside * m.dim * (4 if autocast(cfg) else item), whole + copies
+        return outside * m.dim * (4 if autocast(cfg) else item), whole + block_weight_copy_bytes(cfg)
     if t.recompute == "selective" and p.cp == 1:
         # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
         # the output projection (with a flash-style kernel there is no s x s matrix to drop)
@@ -129,17 +135,12 @@ def loss_transient_bytes(cfg: Config, tokens: int, backward: bool) -> int:
 
 def chunk_saved_bytes(cfg: Config, stage: int) -> int:
     """Bytes global pipeline stage `stage` saves per micro-batch in flight."""
-    m, p = cfg.model, cfg.parallel
-    batch, seq = microbatch_tokens(cfg)
-    tokens, item = batch * seq, activation_itemsize(cfg)
-    sharded = tokens // p.tp if p.sp else tokens
     layers = len(stage_ranges(cfg)[stage])
     saved = layers * block_saved_bytes(cfg)[0]
-    # the stage's output stays referenced until its gradient comes back
+    # the last stage's norm, head and loss; another stage's output, referenced until its gradient comes back
     saved += head_saved_bytes(cfg) if stage == last_stage(cfg) else boundary_bytes(cfg)
-    if autocast(cfg) and cfg.train.recompute != "full":  # the bf16 weight copies each matmul
-        # saves (a block recomputed in full saves none until its backward rebuilds it)
-        saved += 2 * layers * (layer_parameters(m, p.tp) - 2 * m.dim)
+    if cfg.train.recompute != "full":  # a block recomputed in full saves no copies until its backward rebuilds it
+        saved += layers * block_weight_copy_bytes(cfg)
     return saved
 
 
