@@ -155,6 +155,19 @@ MODULES = {
     "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
         "tests/test_pipeline_sim.py", "tests/test_pipeline_runner.py", "tests/test_pipeline_schedules.py",
         "tests/test_plan.py::test_long_pipelines_extend_the_simulation_by_steady_state_cycles"]),
+    # Activation checkpointing changes no value, only what is stored: the peak memory per config
+    # (full and selective against the model), the compiled blocks that must still recompute, and
+    # the gradients that must stay equal.
+    "recompute": ("src/meshlm/parallel/recompute.py", [
+        "tests/test_memory.py", "tests/test_compile.py",
+        "tests/test_trainer.py::test_activation_checkpointing_gives_the_same_gradients",
+        "tests/test_fsdp.py::test_activation_checkpointing_gives_the_same_result"]),
+    # The one door of every collective: bytes each rank sends and receives, groups of one, dtype
+    # checks, handles and the GPU stall accounting, the window and ring paths it picks on gloo.
+    "traced": ("src/meshlm/comm/traced.py", ["tests/test_comm.py", "tests/test_comm_bench.py",
+                                            "tests/test_shared_memory.py"]),
+    # The layout planner: which layouts it considers, what it prunes and why, the pick it prints.
+    "plan": ("src/meshlm/analysis/plan.py", ["tests/test_plan.py"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
