@@ -129,12 +129,53 @@ def test_long_pipelines_extend_the_simulation_by_steady_state_cycles(kind, pp, v
     assert _pipeline(kind, pp, m, v, fwd, bwd, p2p, 0.49) == pytest.approx(direct, rel=2e-3)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 5, 6, 16])
+def test_the_simulation_runs_the_fewest_whole_rounds_that_reach_its_minimum(monkeypatch, pp):
+    """Beyond SIM_MICROBATCHES_MIN (and PER_STAGE per stage), the simulation stops at the first
+    whole round of pp micro-batches (the interleaved schedule runs in rounds) and extrapolates."""
+    import meshlm.analysis.steptime as steptime
+
+    lengths = []
+    real = steptime._simulate.__wrapped__
+    monkeypatch.setattr(steptime, "_simulate", lambda kind, pp, m, *a: lengths.append(m) or real(kind, pp, m, *a))
+    _pipeline("interleaved", pp, 50 * pp, 2, (1.0,) * pp, (2.0,) * pp, 0.0, 0.0)
+    floor = max(SIM_MICROBATCHES_MIN, SIM_MICROBATCHES_PER_STAGE * pp)
+    longest = max(lengths)
+    assert longest % pp == 0 and floor <= longest < floor + pp, (pp, lengths)
+
+
+def test_a_pipeline_stage_is_simulated_at_the_cost_of_its_parts(monkeypatch):
+    """What the simulator is handed per stage and micro-batch (forward and backward, every chunk)
+    adds up, over a step, to the parts the step reports: compute, recompute and each axis's
+    exposed communication (dp 1: nothing once a step). CP at 16 exposes its hops forward too."""
+    import meshlm.analysis.steptime as steptime
+
+    handed = []
+    real = steptime._pipeline
+    monkeypatch.setattr(steptime, "_pipeline", lambda *a: handed.append(a) or real(*a))
+    work = planner.workload("llama3-8b", 64)
+    for lay in (Layout(1, 1, 4, 16, 0, "full", 1, "1f1b"), Layout(1, 4, 4, 4, 1, "none", 1, "interleaved", 2)):
+        handed.clear()
+        t = step_time(work, lay)
+        kind, pp, m, v, fwd, bwd = handed[0][:6]
+        assert t.cp_comm_s > 0 and m == t.microbatches
+        per_stage = sum(f + b for f, b in zip(fwd, bwd)) * v * m / pp
+        assert per_stage == pytest.approx(t.compute_s + t.recompute_s + t.tp_comm_s + t.cp_comm_s, rel=1e-12)
+
+
 def test_recompute_and_tp_cost_time_and_the_bottleneck_is_named():
     work = planner.workload("llama3-70b", 64)
     plain = step_time(work, Layout(2, 8, 4, 1, 0, "none", 1, "1f1b"))
     full = step_time(work, Layout(2, 8, 4, 1, 0, "full", 1, "1f1b"))
     assert full.recompute_s == pytest.approx(plain.compute_s / 3, rel=0.05)  # one more forward of the blocks
-    assert full.step_time_s > plain.step_time_s and full.tp_comm_s == pytest.approx(1.5 * plain.tp_comm_s)
+    # A full recompute re-gathers each region's input (fp32 under autocast: ZeRO 0 in bf16) and
+    # reduce-scatters the attention's output; the MLP's is past the block's last saved tensor.
+    m, tokens = work.model, work.seq
+    gather = work.comm_time("all_gather", tokens * m.dim * 4, 8, 1)
+    scatter = work.comm_time("reduce_scatter", tokens * m.dim * 2, 8, 1)
+    assert full.step_time_s > plain.step_time_s
+    assert full.tp_comm_s - plain.tp_comm_s == pytest.approx(
+        full.microbatches * m.n_layers // 4 * (2 * gather + scatter), rel=1e-9)
     assert plain.bottleneck == "tp comm"
     assert step_time(work, Layout(2, 2, 8, 2, 0, "full", 1, "1f1b")).bottleneck == "memory"
     fsdp = step_time(work, Layout(64, 1, 1, 1, 3, "full", 1))  # ZeRO-3 re-gathers 140 GB per micro-batch
@@ -177,7 +218,8 @@ def test_selective_recompute_costs_the_attention_cores_forward_again():
 def test_the_cp_ring_exposes_what_its_hops_take_beyond_the_attention_they_hide_under(tp, cp):
     """Per layer, c - 1 hops of K and V for this rank's tokens (b·s/c·kv_local·p bytes each, kv
     heads split over tp): forward each hides under the attention to one block (4·b·s/c·s·h/(t·c)
-    FLOPs), backward's carries the fp32 gradients too (p + 4 bytes) and hides under twice that."""
+    FLOPs), backward's carries the fp32 gradients too (p + 4 bytes) and hides under twice that; the
+    gradients' last hop, home after the last block, hides under nothing."""
     work = planner.workload("llama3-8b", 16)
     m = work.model
     lay = Layout(16 // (tp * cp), tp, 1, cp, 1, "none", 1)
@@ -187,8 +229,11 @@ def test_the_cp_ring_exposes_what_its_hops_take_beyond_the_attention_they_hide_u
     block = 4 * tokens * work.seq * m.dim / tp / cp / work.flop_rate
     exposed = max(0.0, hop[0] - block) + max(0.0, hop[1] - 2 * block)
     assert exposed > 0
+    # the gradients' last hop, home to their owner after the last block: nothing left to hide under
+    last = work.comm_time("p2p", 2 * tokens * kv_local * 4, cp, tp)
     microbatches = work.global_batch // lay.dp
-    assert step_time(work, lay).cp_comm_s == pytest.approx(microbatches * m.n_layers * (cp - 1) * exposed, rel=1e-9)
+    assert step_time(work, lay).cp_comm_s == pytest.approx(microbatches * m.n_layers * ((cp - 1) * exposed + last),
+                                                          rel=1e-9)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 4)])

@@ -123,6 +123,8 @@ MODULES = {
     # The planner's step-time model: FLOPs at a stated efficiency, each axis's communication in the
     # alpha-beta model, the simulated bubble; against published setups and hand-derived costs.
     "steptime": ("src/meshlm/analysis/steptime.py", ["tests/test_plan.py"]),
+    # The messages it prices: each rank's flight recorder in real runs, op by op and byte for byte.
+    "messages": ("src/meshlm/analysis/messages.py", ["tests/test_plan_messages.py", "tests/test_plan.py"]),
     # Which checkpoint a run continues from: auto, never, a path; the launcher's checks before
     # any rank starts, the ranks' shared verification, a restart always resuming.
     "resume": ("src/meshlm/train/checkpoint/resume.py", [

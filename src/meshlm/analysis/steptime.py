@@ -12,8 +12,11 @@ micro-batch, each pipeline rank spends, for its layers (the last rank also runs 
     forward    model FLOPs / (peak x COMPUTE_EFFICIENCY) + TP's collectives + CP's exposed ring
                + ZeRO-3's exposed all-gather
     backward   2 x forward FLOPs, + recompute (full: the blocks' forward again; selective: the
-               attention core's), + TP's collectives (again for a full recompute) + CP's exposed
-               ring + ZeRO-2/3's exposed reduce-scatter (and ZeRO-3's second all-gather)
+               attention core's), + TP's collectives (with SP's re-gathers, and a full
+               recompute's forward ones) + CP's exposed ring (again for a full recompute)
+               + ZeRO-2/3's exposed reduce-scatter (and ZeRO-3's second all-gather)
+
+Which messages those are, and their sizes in each precision mode, is analysis/messages.py.
 
 Those per-rank costs feed `pipeline_sim.simulate_schedule` (pp > 1), with the P2P send of one
 micro-batch's activations as the message latency; the step ends with the gradient reduction that
@@ -30,6 +33,7 @@ from statistics import fmean as mean
 
 from meshlm.analysis.flops import flops_per_token
 from meshlm.analysis.hardware import GPU
+from meshlm.analysis.messages import Message, boundary_bytes, ring_block_bytes, stage_messages
 from meshlm.analysis.pipeline_sim import OpCosts, simulate_schedule
 from meshlm.comm.cost import Topology, op_time
 from meshlm.config import ModelConfig
@@ -216,24 +220,29 @@ def rank_costs(work: Workload, lay: Layout) -> list[_Rank]:
     layer_fwd = 2 * tokens * _layer_params(m) / lay.tp + attn_fwd
     head_fwd = 2 * tokens * m.vocab_size * m.dim / lay.tp
 
-    # TP + SP: per block, forward all-gathers and reduce-scatters the [b, s, h] activations twice
-    # (before and after attention and the MLP); backward mirrors them; a full recompute re-runs the
-    # forward's. On the critical path: meshlm does not overlap them with the GEMMs. Axis order
-    # tp-cp-dp-pp, tp fastest (mesh.py): tp ranks are adjacent, cp ones tp apart, dp ones tp*cp.
-    act_bytes = tokens * m.dim * item
-    tp_pair = work.comm_time("all_gather", act_bytes, lay.tp, 1) + work.comm_time("reduce_scatter", act_bytes, lay.tp, 1)
-    tp_fwd = layers * 2 * tp_pair if lay.tp > 1 else 0.0
+    # TP + SP: every collective of analysis/messages.py (per block: the sequence all-gathers and
+    # reduce-scatters of forward, their mirrors and SP's re-gathers in backward, the norms'
+    # all-reduces; the embedding, head and loss on the end stages), on the critical path: meshlm
+    # does not overlap them with the GEMMs. Axis order tp-cp-dp-pp, tp fastest (mesh.py): tp ranks
+    # are adjacent, cp ones tp apart, dp ones tp*cp.
+    def tp_seconds(messages: list[Message], part: str) -> float:
+        return sum(getattr(msg, part) * work.comm_time(msg.op, msg.nbytes, lay.tp, 1)
+                   for msg in messages if msg.axis == "tp")
 
     # CP: K and V go around the ring, one hop per block of attention; a hop hides under the
-    # attention to the block that just arrived. Backward sends K, V and their fp32 gradients.
+    # attention to the block that just arrived. Backward sends K, V and their fp32 gradients,
+    # whose last hop (back to their owner) follows the last block: exposed. A full recompute runs
+    # the forward's ring again.
     cp_fwd = cp_bwd = 0.0
     if lay.cp > 1:
-        kv_local = max(1, m.n_kv_heads // lay.tp) * m.head_dim
-        hop_f = work.comm_time("p2p", 2 * tokens * kv_local * item, lay.cp, lay.tp)
-        hop_b = work.comm_time("p2p", 2 * tokens * kv_local * (item + 4), lay.cp, lay.tp)
+        block = ring_block_bytes(work, lay)
+        hop_f = work.comm_time("p2p", block * item, lay.cp, lay.tp)
+        hop_b = work.comm_time("p2p", block * (item + 4), lay.cp, lay.tp)  # a block and a gradient at once
         step_f = attn_fwd / lay.cp / rate
         cp_fwd = layers * (lay.cp - 1) * max(0.0, hop_f - step_f)
-        cp_bwd = layers * (lay.cp - 1) * max(0.0, hop_b - 2 * step_f)
+        cp_bwd = layers * ((lay.cp - 1) * max(0.0, hop_b - 2 * step_f) + work.comm_time("p2p", block * 4, lay.cp, lay.tp))
+        if lay.recompute == "full":
+            cp_bwd += cp_fwd
 
     ranks = []
     for r in range(lay.pp):
@@ -241,9 +250,9 @@ def rank_costs(work: Workload, lay: Layout) -> list[_Rank]:
         fwd = (layers * layer_fwd + (head_fwd if last else 0.0)) / rate
         rec = {"none": 0.0, "selective": layers * attn_fwd / rate if lay.cp == 1 else 0.0,
                "full": layers * layer_fwd / rate}[lay.recompute]
-        tp_bwd = tp_fwd * (2 if lay.recompute == "full" else 1)
-        ranks.append(_Rank(fwd=fwd, bwd=2 * fwd, recompute=rec, tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd,
-                           cp_bwd=cp_bwd, weight_grads=fwd))
+        messages = stage_messages(work, lay, r)
+        ranks.append(_Rank(fwd=fwd, bwd=2 * fwd, recompute=rec, tp_fwd=tp_seconds(messages, "forward"),
+                           tp_bwd=tp_seconds(messages, "backward"), cp_fwd=cp_fwd, cp_bwd=cp_bwd, weight_grads=fwd))
     _add_dp(work, lay, ranks)
     return ranks
 
@@ -296,8 +305,7 @@ def p2p_seconds(work: Workload, lay: Layout) -> float:
     SP each tp rank sends its sequence shard (pipeline/engine.py's sequence_shards)."""
     if lay.pp == 1:
         return 0.0
-    nbytes = lay.micro_batch_size * (work.seq // lay.cp) * work.model.dim * work.itemsize / lay.tp
-    return work.comm_time("p2p", nbytes, 2, lay.tp * lay.cp * lay.dp)  # pp is the outermost axis
+    return work.comm_time("p2p", boundary_bytes(work, lay), 2, lay.tp * lay.cp * lay.dp)  # pp: the outermost axis
 
 
 def _pipeline(kind: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, p2p: float, wf: float) -> float:
