@@ -72,6 +72,15 @@ def test_activation_checkpointing_gives_the_same_gradients(corpus, tmp_path, mod
     assert_close(reference, recomputed)
 
 
+@pytest.mark.parametrize("mode", ["block", "partial", "sequential"])  # sorting before "full", around "selective"
+def test_an_unknown_recompute_mode_is_refused_by_name(mode):
+    from helpers import debug_model
+    from meshlm.parallel.recompute import apply_activation_checkpointing
+
+    with pytest.raises(ValueError, match=f"unknown recompute mode '{mode}'"):
+        apply_activation_checkpointing(debug_model(), mode)
+
+
 def test_bf16_autocast_trains_close_to_fp32(corpus, tmp_path):
     _, fp32_losses, _ = grads_then_steps(make_cfg(corpus, tmp_path / "a", 1), n_steps=3)
     _, bf16_losses, params = grads_then_steps(make_cfg(corpus, tmp_path / "b", 1, "train.dtype=bfloat16"), n_steps=3)
