@@ -27,8 +27,9 @@ re-gather and the reduce-scatter of its input gradient, p) and the vocabulary-pa
 Context parallel (parallel/context.py), per block: the stacked K and V (e) travel cp - 1 hops
 forward, again backward (and again in a full recompute's forward), and their fp32 gradients cp
 hops. Pipeline: one boundary tensor [b, s/cp, h] / tp (p) per chunk that has a next (forward) or
-a previous one (backward). Once-per-step messages (data-parallel reduction, the loss and
-gradient-norm scalars) are not per micro-batch and not listed here.
+a previous one (backward). Data parallel: the bytes each ZeRO stage reduces and gathers, per
+micro-batch and per step (`data_parallel_bytes`). The metrics' scalars (loss, token count,
+gradient norm: one reduction each a step) are not listed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,57 @@ def ring_block_bytes(work, lay) -> int:
     m = work.model
     kv_local = max(1, m.n_kv_heads // lay.tp) * m.head_dim
     return 2 * lay.micro_batch_size * (work.seq // lay.cp) * kv_local
+
+
+def layer_matmul_params(m) -> int:
+    """Weights of one block's matmuls (wq wk wv wo w1 w2 w3), all tp ranks together."""
+    kv = m.n_kv_heads * m.head_dim
+    return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim
+
+
+def block_params(work, lay) -> float:
+    """Parameters of one block on one tp rank (its norms are whole on every tp rank)."""
+    return layer_matmul_params(work.model) / lay.tp + 2 * work.model.dim
+
+
+def rank_params(work, lay, r: int) -> float:
+    """Parameters pipeline rank r holds on one tp rank (embedding on the first, head on the last)."""
+    m = work.model
+    n = m.n_layers // lay.pp * block_params(work, lay)
+    table = m.vocab_size * m.dim / lay.tp
+    if r == 0:
+        n += table
+    if r == lay.pp - 1:  # the final norm, and a head unless it is the embedding on this same rank
+        n += m.dim + (0 if m.tie_embeddings and lay.pp == 1 else table)
+    return n
+
+
+def data_parallel_bytes(work, lay, stage: int) -> dict[str, dict[str, float]]:
+    """Bytes by collective over dp x cp (the ranks that hold the same weights) on pipeline rank
+    `stage`, however many buckets carry them: per micro-batch ("forward", "backward") and once a
+    step ("step"). Gradients are reduced in fp32, weights gathered in their dtype p. ZeRO-3
+    gathers each unit before its forward and the blocks again before their backward: the root unit
+    (embeddings, final norm, head) stays gathered from forward to backward (parallel/fsdp.py).
+    Under a pipeline the first stage's embedding is gathered again for each forward in flight
+    (not counted here)."""
+    sizes: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "step": {}}
+    if lay.dp * lay.cp == 1:
+        return sizes
+    p = dtype_bytes(work, lay)[1]
+    params = rank_params(work, lay, stage)
+    grads, weights = 4 * params, p * params
+    if lay.zero == 0:
+        sizes["step"]["all_reduce"] = grads
+    elif lay.zero == 1:
+        sizes["step"].update(reduce_scatter=grads, all_gather=weights)
+    elif lay.zero == 2:
+        sizes["backward"]["reduce_scatter"] = grads
+        sizes["step"]["all_gather"] = weights
+    else:
+        sizes["forward"]["all_gather"] = weights
+        sizes["backward"].update(all_gather=p * work.model.n_layers // lay.pp * block_params(work, lay),
+                                 reduce_scatter=grads)
+    return sizes
 
 
 def stage_messages(work, lay, stage: int) -> list[Message]:

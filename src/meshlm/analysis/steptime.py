@@ -14,7 +14,7 @@ micro-batch, each pipeline rank spends, for its layers (the last rank also runs 
     backward   2 x forward FLOPs, + recompute (full: the blocks' forward again; selective: the
                attention core's), + TP's collectives (with SP's re-gathers, and a full
                recompute's forward ones) + CP's exposed ring (again for a full recompute)
-               + ZeRO-2/3's exposed reduce-scatter (and ZeRO-3's second all-gather)
+               + ZeRO-2/3's exposed reduce-scatter (and ZeRO-3's all-gather of the blocks)
 
 Which messages those are, and their sizes in each precision mode, is analysis/messages.py.
 
@@ -33,7 +33,8 @@ from statistics import fmean as mean
 
 from meshlm.analysis.flops import flops_per_token
 from meshlm.analysis.hardware import GPU
-from meshlm.analysis.messages import Message, boundary_bytes, ring_block_bytes, stage_messages
+from meshlm.analysis.messages import (Message, block_params, boundary_bytes, data_parallel_bytes, dtype_bytes,
+                                     layer_matmul_params, rank_params, ring_block_bytes, stage_messages)
 from meshlm.analysis.pipeline_sim import OpCosts, simulate_schedule
 from meshlm.comm.cost import Topology, op_time
 from meshlm.config import ModelConfig
@@ -204,12 +205,6 @@ class _Rank:
         return self.forward + self.backward
 
 
-def _layer_params(m: ModelConfig) -> int:
-    """Weights of one block's matmuls (wq wk wv wo w1 w2 w3), all tp ranks together."""
-    kv = m.n_kv_heads * m.head_dim
-    return 2 * m.dim * m.dim + 2 * m.dim * kv + 3 * m.dim * m.ffn_dim
-
-
 def rank_costs(work: Workload, lay: Layout) -> list[_Rank]:
     """Per pipeline rank, the seconds of one micro-batch by part; see the module docstring."""
     m, rate, item = work.model, work.flop_rate, work.itemsize
@@ -217,7 +212,7 @@ def rank_costs(work: Workload, lay: Layout) -> list[_Rank]:
     tokens = lay.micro_batch_size * seq_local
     layers = m.n_layers // lay.pp
     attn_fwd = 4 * tokens * work.seq * m.dim / lay.tp  # q.k and p.v against every key (flops.py)
-    layer_fwd = 2 * tokens * _layer_params(m) / lay.tp + attn_fwd
+    layer_fwd = 2 * tokens * layer_matmul_params(m) / lay.tp + attn_fwd
     head_fwd = 2 * tokens * m.vocab_size * m.dim / lay.tp
 
     # TP + SP: every collective of analysis/messages.py (per block: the sequence all-gathers and
@@ -257,32 +252,19 @@ def rank_costs(work: Workload, lay: Layout) -> list[_Rank]:
     return ranks
 
 
-def rank_params(work: Workload, lay: Layout, r: int) -> float:
-    """Parameters pipeline rank r holds on one tp rank (embedding on the first, head on the last)."""
-    m = work.model
-    n = m.n_layers // lay.pp * (_layer_params(m) / lay.tp + 2 * m.dim)
-    table = m.vocab_size * m.dim / lay.tp
-    if r == 0:
-        n += table
-    if r == lay.pp - 1 and not (m.tie_embeddings and lay.pp == 1):
-        n += table + m.dim
-    return n
-
-
 def _add_dp(work: Workload, lay: Layout, ranks: list[_Rank]) -> None:
     """Gradient reduction and parameter gathering over dp x cp (the ranks that hold the same
-    weights), by ZeRO stage; reductions in fp32 (mixed_precision.py), parameters in the dtype."""
+    weights), by ZeRO stage: the bytes of analysis/messages.py, when they run and what hides them."""
     n = lay.dp * lay.cp
     if n == 1:
         return
-    item = work.itemsize
 
     def t(op: str, nbytes: float) -> float:  # cp and dp are contiguous above tp: stride tp, size dp x cp
         return work.comm_time(op, nbytes, n, lay.tp)
 
     for r, rank in enumerate(ranks):
-        params = rank_params(work, lay, r)
-        grads, weights = 4 * params, item * params
+        sizes = data_parallel_bytes(work, lay, r)
+        grads = 4 * rank_params(work, lay, r)
         last_bucket = t("all_reduce" if lay.zero == 0 else "reduce_scatter", min(BUCKET_BYTES, grads))
         # one micro-batch's backward (no dp part yet) to hide under, if collectives progress meanwhile
         background = work.topology.background
@@ -290,14 +272,16 @@ def _add_dp(work: Workload, lay: Layout, ranks: list[_Rank]) -> None:
         if lay.zero == 0:  # DDP: one all-reduce, hidden under the last micro-batch's backward
             rank.dp_end = max(last_bucket, t("all_reduce", grads) - window)
         elif lay.zero == 1:  # reduce-scatter hidden like DDP's; the all-gather after AdamW is not
-            rank.dp_end = max(last_bucket, t("reduce_scatter", grads) - window) + t("all_gather", weights)
+            rank.dp_end = max(last_bucket, t("reduce_scatter", grads) - window) + t("all_gather", sizes["step"]["all_gather"])
         elif lay.zero == 2:  # every micro-batch reduce-scatters (no no_sync), then the all-gather
             rank.dp_bwd = max(last_bucket, t("reduce_scatter", grads) - window)
-            rank.dp_end = t("all_gather", weights)
-        else:  # ZeRO-3: gather before forward (prefetched), again before backward, reduce-scatter
-            first_unit = t("all_gather", item * _layer_params(work.model) / lay.tp)
-            rank.dp_fwd = max(first_unit, t("all_gather", weights) - (rank.forward if background else 0.0))
-            rank.dp_bwd = max(last_bucket, t("all_gather", weights) + t("reduce_scatter", grads) - window)
+            rank.dp_end = t("all_gather", sizes["step"]["all_gather"])
+        else:  # ZeRO-3: gather before forward (prefetched), the blocks again before backward, reduce-scatter
+            first_unit = t("all_gather", dtype_bytes(work, lay)[1] * block_params(work, lay))
+            rank.dp_fwd = max(first_unit, t("all_gather", sizes["forward"]["all_gather"])
+                              - (rank.forward if background else 0.0))
+            rank.dp_bwd = max(last_bucket, t("all_gather", sizes["backward"]["all_gather"]) + t("reduce_scatter", grads)
+                              - window)
 
 
 def p2p_seconds(work: Workload, lay: Layout) -> float:
