@@ -103,6 +103,7 @@ class _FakeClock:
 class _FakeCudaEvent:
     def __init__(self, enable_timing=False):
         self.t = None
+        self.enable_timing = enable_timing
 
     def record(self):
         self.t = _FakeClock.now
@@ -110,7 +111,8 @@ class _FakeCudaEvent:
     def synchronize(self):
         pass
 
-    def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's
+    def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's, which refuses events without timing
+        assert self.enable_timing and end.enable_timing, "elapsed_time between events created without enable_timing"
         return (end.t - self.t) * 1e3
 
 
@@ -124,7 +126,7 @@ def test_gpu_stalls_count_what_the_stream_waited_not_what_overlapped(monkeypatch
 
     def issue(async_op):
         record = rec.start("all_reduce", "dp", 2, torch.bfloat16, 8, 16, 16, 16, async_op=async_op)
-        record.cuda_events = (_FakeCudaEvent(), _FakeCudaEvent())
+        record.cuda_events = (_FakeCudaEvent(enable_timing=True), _FakeCudaEvent(enable_timing=True))
         record.cuda_events[0].record()
         return record
 
@@ -152,15 +154,38 @@ def test_gpu_stalls_count_what_the_stream_waited_not_what_overlapped(monkeypatch
     assert sum(row["time_s"] for row in rec.summary()) == pytest.approx(0.045 + 2 * 0.002)  # the ops' durations
 
 
-def test_groups_of_one_rank_communicate_nothing_and_record_nothing():
+@pytest.mark.parametrize("async_op", [False, True])
+def test_groups_of_one_rank_communicate_nothing_and_record_nothing(async_op):
+    """Every op on a group of one: the input is the result (copied where the output is another
+    buffer, before or after it in memory), a handle where one was asked for, nothing recorded."""
     comm = Comm(ParallelContext(Layout()))  # world of 1, no process group
     x = torch.arange(4.0)
-    out = torch.empty(4)
-    comm.all_reduce(x, "dp")
-    comm.all_gather(out, x, "tp")
-    comm.all_reduce(x, "dp", async_op=True).wait()
-    assert torch.equal(x, torch.arange(4.0)) and torch.equal(out, x)
+    done = comm.all_reduce(x, "dp", async_op=async_op)
+    assert torch.equal(x, torch.arange(4.0))
+    done = [done, comm.broadcast(x, 0, "dp", async_op=async_op)]
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        for out_first in (True, False):  # output below the input in memory, and above it
+            memory = torch.zeros(8)
+            out, inp = (memory[:4], memory[4:]) if out_first else (memory[4:], memory[:4])
+            inp.copy_(torch.arange(4.0) + 1)
+            done.append(getattr(comm, op)(out, inp, "tp", async_op=async_op))
+            assert torch.equal(out, torch.arange(4.0) + 1), (op, out_first)
+    comm.barrier("tp")
+    if async_op:
+        for handle in done:
+            handle.wait()
+    else:
+        assert done == [None] * len(done)
     assert comm.summary() == [] and comm.recorder.dump() == []
+
+
+def test_collectives_refuse_outputs_of_the_wrong_size_by_name():
+    comm = Comm(ParallelContext(Layout()))
+    for numel in (3, 5):  # one element short, one too many
+        with pytest.raises(ValueError, match=rf"all_gather over tp \(n=1\): output has {numel} elements, expected 1 x 4"):
+            comm.all_gather(torch.empty(numel), torch.ones(4), "tp")
+        with pytest.raises(ValueError, match=rf"reduce_scatter over tp \(n=1\): input has {numel} elements, expected 1 x 4"):
+            comm.reduce_scatter(torch.empty(4), torch.ones(numel), "tp")
 
 
 def _mismatched_dtypes_rank(n):
@@ -252,6 +277,45 @@ def test_traced_collectives_record_exact_bytes(n):
     # The ring formula over all ranks, including the 1001-element tensor that n does not divide.
     sent = [next(row["bytes_sent"] for row in o["summary"] if row["op"] == "all_reduce") for o in results]
     assert sum(sent) == 2 * (n - 1) * (4000 + 4004 + 256)
+
+
+def _p2p_and_merged_rank():
+    """Blocking and async sends and receives between two ranks, and two async ops behind one
+    merged handle: each record's kind, bytes each way and completion."""
+    from meshlm.comm.traced import Handle
+
+    comm = Comm(ParallelContext(Layout(dp=2)))
+    r, peer = comm.rank, 1 - comm.rank
+    got = torch.empty(8)
+    if r == 0:
+        comm.send(torch.full((8,), 1.0), peer)
+        comm.recv(got, peer)
+    else:
+        comm.recv(got, peer)
+        comm.send(torch.full((8,), 2.0), peer)
+    blocking = torch.equal(got, torch.full((8,), float(peer + 1)))
+    got2 = torch.empty(16)
+    handles = [comm.isend(torch.full((16,), float(r)), peer), comm.irecv(got2, peer)]
+    pending = len(comm.recorder.pending())
+    for h in handles:
+        h.wait()
+    a, b = torch.ones(32), torch.full((32,), float(r))
+    merged = Handle.merge([comm.all_reduce(a, "dp", async_op=True), comm.all_reduce(b, "dp", async_op=True)])
+    merged.wait()
+    ok = blocking and torch.equal(got2, torch.full((16,), float(peer))) and torch.equal(a, torch.full((32,), 2.0)) \
+        and torch.equal(b, torch.ones(32))
+    records = [(d["op"], d["async_op"], d["bytes_sent"], d["bytes_recv"], d["t_end"] is not None)
+               for d in comm.recorder.dump()]
+    return ok, pending, records, comm.recorder.pending()
+
+
+def test_point_to_point_records_and_merged_handles_complete():
+    for rank, (ok, pending, records, left) in enumerate(run_ranks(_p2p_and_merged_rank, 2, timeout=60)):
+        assert ok and pending == 2 and left == []
+        blocking = [("send", False, 32, 0, True), ("recv", False, 0, 32, True)]
+        assert records == [*(blocking if rank == 0 else blocking[::-1]),
+                           ("send", True, 64, 0, True), ("recv", True, 0, 64, True),
+                           ("all_reduce", True, 128, 128, True), ("all_reduce", True, 128, 128, True)]
 
 
 # --------------------------------------------------------------------------- ring algorithms
