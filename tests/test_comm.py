@@ -280,8 +280,9 @@ def test_traced_collectives_record_exact_bytes(n):
 
 
 def _p2p_and_merged_rank():
-    """Blocking and async sends and receives between two ranks, and two async ops behind one
-    merged handle: each record's kind, bytes each way and completion."""
+    """Blocking and async sends and receives between two ranks, two async ops behind one merged
+    handle, an uneven all-to-all, a desynchronised all-reduce: each record's kind, bytes each way
+    and completion."""
     from meshlm.comm.traced import Handle
 
     comm = Comm(ParallelContext(Layout(dp=2)))
@@ -302,20 +303,31 @@ def _p2p_and_merged_rank():
     a, b = torch.ones(32), torch.full((32,), float(r))
     merged = Handle.merge([comm.all_reduce(a, "dp", async_op=True), comm.all_reduce(b, "dp", async_op=True)])
     merged.wait()
-    ok = blocking and torch.equal(got2, torch.full((16,), float(peer))) and torch.equal(a, torch.full((32,), 2.0)) \
+    # Uneven rows of 5 elements: rank 0 keeps 1 row and sends 2, rank 1 sends 3 and keeps 1.
+    ins, outs = ([1, 2], [1, 3]) if r == 0 else ([3, 1], [2, 1])
+    mixed = torch.empty(sum(outs), 5)
+    comm.all_to_all(mixed, torch.full((sum(ins), 5), float(r)), "dp", outs, ins)
+    ok = torch.equal(mixed[outs[0]:] if r == 0 else mixed[:outs[0]], torch.full((outs[peer], 5), float(peer)))
+    # debug.fault=desync on a bf16 all-reduce: rank 0 sends the same 12 bytes as int16 (debug/faults.py)
+    comm.desync_next = r == 0
+    comm.all_reduce(torch.ones(6, dtype=torch.bfloat16), "dp")
+    ok = ok and blocking and torch.equal(got2, torch.full((16,), float(peer))) and torch.equal(a, torch.full((32,), 2.0)) \
         and torch.equal(b, torch.ones(32))
     records = [(d["op"], d["async_op"], d["bytes_sent"], d["bytes_recv"], d["t_end"] is not None)
                for d in comm.recorder.dump()]
-    return ok, pending, records, comm.recorder.pending()
+    return ok, pending, records, [d["dtype"] for d in comm.recorder.dump()], comm.recorder.pending()
 
 
 def test_point_to_point_records_and_merged_handles_complete():
-    for rank, (ok, pending, records, left) in enumerate(run_ranks(_p2p_and_merged_rank, 2, timeout=60)):
+    for rank, (ok, pending, records, dtypes, left) in enumerate(run_ranks(_p2p_and_merged_rank, 2, timeout=60)):
         assert ok and pending == 2 and left == []
         blocking = [("send", False, 32, 0, True), ("recv", False, 0, 32, True)]
         assert records == [*(blocking if rank == 0 else blocking[::-1]),
                            ("send", True, 64, 0, True), ("recv", True, 0, 64, True),
-                           ("all_reduce", True, 128, 128, True), ("all_reduce", True, 128, 128, True)]
+                           ("all_reduce", True, 128, 128, True), ("all_reduce", True, 128, 128, True),
+                           ("all_to_all", False, *((40, 60) if rank == 0 else (60, 40)), True),
+                           ("all_reduce", False, 12, 12, True)]
+        assert dtypes[-1] == ("int16" if rank == 0 else "bfloat16")
 
 
 # --------------------------------------------------------------------------- ring algorithms
