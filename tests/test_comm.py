@@ -311,9 +311,10 @@ def _p2p_and_merged_rank():
     # debug.fault=desync on a bf16 all-reduce: rank 0 sends the same 12 bytes as int16 (debug/faults.py)
     comm.desync_next = r == 0
     comm.all_reduce(torch.ones(6, dtype=torch.bfloat16), "dp")
+    comm.barrier()
     ok = ok and blocking and torch.equal(got2, torch.full((16,), float(peer))) and torch.equal(a, torch.full((32,), 2.0)) \
         and torch.equal(b, torch.ones(32))
-    records = [(d["op"], d["async_op"], d["bytes_sent"], d["bytes_recv"], d["t_end"] is not None)
+    records = [(d["op"], d["async_op"], d["numel"], d["bytes_sent"], d["bytes_recv"], d["t_end"] is not None)
                for d in comm.recorder.dump()]
     return ok, pending, records, [d["dtype"] for d in comm.recorder.dump()], comm.recorder.pending()
 
@@ -321,13 +322,13 @@ def _p2p_and_merged_rank():
 def test_point_to_point_records_and_merged_handles_complete():
     for rank, (ok, pending, records, dtypes, left) in enumerate(run_ranks(_p2p_and_merged_rank, 2, timeout=60)):
         assert ok and pending == 2 and left == []
-        blocking = [("send", False, 32, 0, True), ("recv", False, 0, 32, True)]
+        blocking = [("send", False, 8, 32, 0, True), ("recv", False, 8, 0, 32, True)]
         assert records == [*(blocking if rank == 0 else blocking[::-1]),
-                           ("send", True, 64, 0, True), ("recv", True, 0, 64, True),
-                           ("all_reduce", True, 128, 128, True), ("all_reduce", True, 128, 128, True),
-                           ("all_to_all", False, *((40, 60) if rank == 0 else (60, 40)), True),
-                           ("all_reduce", False, 12, 12, True)]
-        assert dtypes[-1] == ("int16" if rank == 0 else "bfloat16")
+                           ("send", True, 16, 64, 0, True), ("recv", True, 16, 0, 64, True),
+                           ("all_reduce", True, 32, 128, 128, True), ("all_reduce", True, 32, 128, 128, True),
+                           ("all_to_all", False, *((15, 40, 60) if rank == 0 else (20, 60, 40)), True),
+                           ("all_reduce", False, 6, 12, 12, True), ("barrier", False, 0, 0, 0, True)]
+        assert dtypes[-2] == ("int16" if rank == 0 else "bfloat16")
 
 
 # --------------------------------------------------------------------------- ring algorithms
