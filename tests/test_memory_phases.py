@@ -159,15 +159,26 @@ def _boundary_tensors_held(world: int, extra: tuple[str, ...], corpus: Path, run
         return ((FORWARD if op == RECV_ACT else BACKWARD), chunk, mb) not in done
 
     batches = engine_module.p2p_batches
+    current = []
+    wait = engine._wait
 
     def traced_batches(program):
         for item in batches(program):
             if not isinstance(item, list) and item.op in (FORWARD, BACKWARD):
+                current[:] = [item]
                 counts.append(held_now(item))
                 done.add((item.op, item.chunk, item.microbatch))
             yield item
 
+    def traced_wait(*args):  # the op's input has arrived: what the engine holds as the op runs
+        tensor = wait(*args)
+        done.discard((current[0].op, current[0].chunk, current[0].microbatch))
+        counts[-1] = held_now(current[0])
+        done.add((current[0].op, current[0].chunk, current[0].microbatch))
+        return tensor
+
     engine._post = traced_post
+    engine._wait = traced_wait
     engine_module.p2p_batches = traced_batches
     try:
         trainer.train_step()
@@ -184,9 +195,10 @@ def _boundary_tensors_held(world: int, extra: tuple[str, ...], corpus: Path, run
     (4, ("parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=8")),
 ], ids=["1f1b-m8", "interleaved-pp4"])
 def test_the_boundary_tensors_held_at_each_op_are_the_models(tmp_path, world, extra):
-    """boundary_held_bytes against the engine: receive buffers posted ahead, every sent gradient
-    held to reduce_grads on gloo, sent outputs past their backward (the phase windows see these
-    only where they exceed a tenth of a window)."""
+    """boundary_held_bytes against the engine: receive buffers posted ahead, sent gradients held
+    on gloo until a message from their receiver shows they were received (else to reduce_grads),
+    sent outputs past their backward (the phase windows see these only where they exceed a tenth
+    of a window)."""
     from meshlm.analysis.memory_terms import boundary_bytes, boundary_held_bytes
 
     corpus = write_offline_corpus(tmp_path / "corpus")

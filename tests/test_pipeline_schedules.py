@@ -11,7 +11,8 @@ from meshlm.analysis.pipeline_sim import OpCosts, SimulationDeadlock, check_fifo
 from meshlm.config import ConfigError, load_config, resolve
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD,
                                                 REDUCE_GRADS, SEND_ACT, SEND_GRAD, Instruction, PipelineShape, ScheduleError, build_schedule,
-                                                check_schedule, compute_order, format_schedule, peak_in_flight)
+                                                check_schedule, compute_order, format_schedule, peak_in_flight,
+                                                p2p_batches, send_receipts)
 
 
 def grid():
@@ -101,6 +102,35 @@ def test_the_simulator_does_find_deadlocks_and_misordered_pairs():
 def test_sends_and_receives_of_every_pair_are_listed_in_the_same_order():
     for kind, pp, m, v in GRID:
         check_fifo(build_schedule(kind, pp, m, v), PipelineShape(pp, m, v))
+
+
+def test_a_message_tells_exactly_which_sends_its_sender_had_received():
+    """Played out batch by batch (each posting its receives, then its sends, as the engine does on
+    gloo): when rank P sends rank R a message, P has posted the receives of R's first n sends to it
+    and not the (n+1)-th, n being what R's receipts credit on its arrival; R's sends are numbered
+    per peer in program order. Safe (no early wait can block) and complete (none waits longer)."""
+    for kind, pp, m, v in GRID:
+        schedules = build_schedule(kind, pp, m, v)
+        for rank in range(pp):
+            receipts = send_receipts(schedules, rank)
+            expected_covers, expected_order = {}, {}
+            for peer in range(pp):
+                if peer == rank:
+                    continue
+                mine = [i for i in schedules[rank] if i.is_p2p and i.peer == peer]
+                expected_order.update(((i.op, i.chunk, i.microbatch), (peer, k))
+                                      for k, i in enumerate(i for i in mine if i.op.startswith("send")))
+                my_recvs = iter(i for i in mine if i.op.startswith("recv"))
+                posted = 0
+                for batch in p2p_batches(schedules[peer]):
+                    if not isinstance(batch, list):
+                        continue
+                    posted += sum(1 for i in batch if i.op.startswith("recv") and i.peer == rank)
+                    for i in batch:
+                        if i.op.startswith("send") and i.peer == rank:
+                            recv = next(my_recvs)
+                            expected_covers[(recv.op, recv.chunk, recv.microbatch)] = (peer, posted)
+            assert receipts.covers == expected_covers and receipts.order == expected_order, (kind, pp, m, v, rank)
 
 
 def test_activations_in_flight_stay_within_each_schedules_bound():

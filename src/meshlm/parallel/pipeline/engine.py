@@ -12,8 +12,10 @@ How it runs the list (the simulator models exactly this):
 - backward (mb, chunk): autograd from the kept loss (last stage) or from the kept output with the
   received gradient; the input's gradient is what goes to the previous stage.
 - a run of consecutive send/recv instructions is one batch, posted without waiting. Receives are
-  waited just before the first op that needs one of them; sends only when they finish on their own
-  or at reduce_grads. On gloo sends and receives go out as two batches so a receive never waits
+  waited just before the first op that needs one of them; sends once they have finished (NCCL
+  says so), or on gloo, whose sends say nothing until waited, once a message has arrived that
+  their receiver posted after their receives (schedules.send_receipts: no stall), else at
+  reduce_grads. On gloo sends and receives go out as two batches so a receive never waits
   for a send to a busy neighbour; NCCL needs one group (it serialises separate calls on a stream,
   and two ranks each waiting on a receive queued before its send would hang).
 - deferred weight gradients (`defer_weight_grads=True`, see deferred_wgrad.py): each chunk's
@@ -43,7 +45,8 @@ import torch
 from meshlm.parallel.pipeline import deferred_wgrad
 from meshlm.parallel.pipeline.p2p import PipelineP2P, TensorSpec
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD,
-                                                REDUCE_GRADS, SEND_ACT, SEND_GRAD, Instruction, p2p_batches)
+                                                REDUCE_GRADS, SEND_ACT, SEND_GRAD, Instruction, SendReceipts,
+                                                p2p_batches)
 from meshlm.parallel.pipeline.stage import PipelineStageModel
 
 
@@ -85,6 +88,43 @@ class _Clock:
         return b - a
 
 
+class _SendsInFlight:
+    """The sends this rank posted and has not waited, each batch's handle with its sends' numbers
+    per peer (SendReceipts.order), and how many of them each peer is known to have received."""
+
+    def __init__(self, receipts: SendReceipts | None):
+        self.receipts = receipts
+        self.batches: list[tuple[object, list]] = []
+        self.received: dict[int, int] = {}
+
+    def add(self, handle, keys: list[tuple[str, int, int]]) -> None:
+        self.batches.append((handle, [self.receipts.order[k] for k in keys] if self.receipts else []))
+
+    def prune(self) -> None:
+        """Drop the batches whose sends report completion (NCCL's do; gloo's never do unwaited)."""
+        self.batches = [b for b in self.batches if not b[0].is_completed()]
+
+    def arrived(self, recv_key: tuple[str, int, int]) -> None:
+        """A message arrived: wait (at once, without stalling) the sends its sender has received."""
+        cover = self.receipts.covers.get(recv_key) if self.receipts else None
+        if cover is None:
+            return
+        peer, count = cover
+        self.received[peer] = max(self.received.get(peer, 0), count)
+        keep = []
+        for handle, numbers in self.batches:
+            if numbers and all(k < self.received.get(p, 0) for p, k in numbers):
+                handle.wait()
+            else:
+                keep.append((handle, numbers))
+        self.batches = keep
+
+    def wait_all(self) -> None:
+        for handle, _ in self.batches:
+            handle.wait()
+        self.batches = []
+
+
 class PipelineEngine:
     def __init__(self, stage: PipelineStageModel, p2p: PipelineP2P, activation_dtype: torch.dtype = torch.float32,
                  sequence_shards: int = 1, defer_weight_grads: bool = False):
@@ -112,9 +152,10 @@ class PipelineEngine:
             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
             no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
             reduce_grads: Callable[[], None] | None = None, optimizer_step: Callable[[], None] | None = None,
-            train: bool = True) -> RunStats:
+            train: bool = True, receipts: SendReceipts | None = None) -> RunStats:
         """Execute `program` on `microbatches` [(inputs, targets)] (every stage gets them all; the
-        first uses the inputs, the last the targets, the others their shape)."""
+        first uses the inputs, the last the targets, the others their shape). `receipts`: when
+        this rank's sends are known received (schedules.send_receipts), used on gloo."""
         stage, p2p = self.stage, self.p2p
         rows, seq = microbatches[0][0].shape if microbatches else (0, 0)
         spec = TensorSpec((rows, seq // self.sequence_shards, stage.cfg.dim), self.activation_dtype)
@@ -131,7 +172,7 @@ class PipelineEngine:
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, mb) -> kept for backward
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         recv_handle: dict[tuple[str, int, int], object] = {}  # (op, chunk, mb) -> its batch's handle
-        sends_in_flight: list = []
+        sends_in_flight = _SendsInFlight(receipts if self.split_sends else None)
         timed: list[tuple[str, object, object]] = []
         start, end = clock.mark(), None
         index = 0
@@ -151,7 +192,7 @@ class PipelineEngine:
                     owed_sync = None
                 if ins.op == FORWARD:
                     key = (ins.chunk, ins.microbatch)
-                    x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key) \
+                    x = self._wait(recv_handle, (RECV_ACT, *key), timed, clock, inputs, key, sends_in_flight) \
                         if not stage.is_first(ins.chunk) else microbatches[ins.microbatch][0].to(self.device)
                     t0 = clock.mark()
                     with autocast(), armed(key):
@@ -175,7 +216,7 @@ class PipelineEngine:
                 elif ins.op == BACKWARD:
                     key = (ins.chunk, ins.microbatch)
                     grad = None if stage.is_last(ins.chunk) else \
-                        self._wait(recv_handle, (RECV_GRAD, *key), timed, clock, grads, key)
+                        self._wait(recv_handle, (RECV_GRAD, *key), timed, clock, grads, key, sends_in_flight)
                     out = outputs.pop(key)
                     t0 = clock.mark()
                     sync = no_sync if index != last_backward else contextlib.nullcontext
@@ -196,9 +237,7 @@ class PipelineEngine:
                     # the last ones through the reduction and the optimizer step.
                     del out, grad, x
                 elif ins.op == REDUCE_GRADS:
-                    for handle in sends_in_flight:
-                        handle.wait()
-                    sends_in_flight.clear()
+                    sends_in_flight.wait_all()
                     end = clock.mark()
                     if reduce_grads is not None:
                         reduce_grads()
@@ -208,8 +247,7 @@ class PipelineEngine:
                 index += 1
             if owed_sync is not None:
                 self._flush_weight_grads(owed_sync, timed, clock, owner)
-        for handle in sends_in_flight:  # forward-only programs have no reduce_grads
-            handle.wait()
+        sends_in_flight.wait_all()  # forward-only programs have no reduce_grads
         if end is None:
             end = clock.mark()
         weight_s = []
@@ -251,9 +289,9 @@ class PipelineEngine:
         timed.append(((WEIGHT_GRADS, owner), t0, clock.mark()))
 
     def _post(self, batch: list[Instruction], spec: TensorSpec, inputs, grads, to_send, recv_handle,
-              sends_in_flight: list, train: bool) -> None:
+              sends_in_flight: _SendsInFlight, train: bool) -> None:
         """Post one batch: allocate the receive buffers, start everything, remember the handles."""
-        sends, recvs = [], []
+        sends, recvs, sent = [], [], []
         for ins in batch:
             key = (ins.chunk, ins.microbatch)
             if ins.op in (RECV_ACT, RECV_GRAD):
@@ -263,25 +301,26 @@ class PipelineEngine:
             else:
                 tensor = to_send.pop((ins.op, *key))
                 sends.append(("send", tensor.contiguous(), ins.peer))
-        # Drop finished sends so their buffers can be freed.
-        sends_in_flight[:] = [h for h in sends_in_flight if not h.is_completed()]
+                sent.append((ins.op, *key))
+        sends_in_flight.prune()  # finished sends: their buffers can be freed
         if self.split_sends:
             handle = self.p2p.post([op for _, op in recvs]) if recvs else None
             if sends:
-                sends_in_flight.append(self.p2p.post(sends))
+                sends_in_flight.add(self.p2p.post(sends), sent)
         else:
             handle = self.p2p.post([op for _, op in recvs] + sends)
             if sends:
-                sends_in_flight.append(handle)
+                sends_in_flight.add(handle, sent)
         for ins, _ in recvs:
             recv_handle[(ins.op, ins.chunk, ins.microbatch)] = handle
 
-    def _wait(self, recv_handle, handle_key, timed, clock, store, key) -> torch.Tensor:
+    def _wait(self, recv_handle, handle_key, timed, clock, store, key, sends_in_flight) -> torch.Tensor:
         handle = recv_handle.pop(handle_key, None)
         if handle is None:
             raise RuntimeError(f"{handle_key[0]} {key[1]}.{key[0]}: used before it was received (bad schedule)")
         t0 = clock.mark()
         handle.wait()
+        sends_in_flight.arrived(handle_key)
         timed.append(("wait", t0, clock.mark()))
         tensor = store[key]
         if handle_key[0] == RECV_ACT and torch.is_grad_enabled():

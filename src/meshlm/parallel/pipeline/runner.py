@@ -22,7 +22,7 @@ from meshlm.parallel.data_parallel import precision_for
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.parallel.pipeline.engine import PipelineEngine, RunStats
 from meshlm.parallel.pipeline.p2p import PipelineP2P
-from meshlm.parallel.pipeline.schedules import PipelineShape, build_schedule
+from meshlm.parallel.pipeline.schedules import PipelineShape, build_schedule, send_receipts
 from meshlm.parallel.pipeline.stage import PipelineStageModel, stage_state_shapes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -48,6 +48,7 @@ class PipelineRunner:
         self.shape = PipelineShape(self.pp, self.microbatches, self.virtual)
         self.schedules = build_schedule(self.kind, self.pp, self.microbatches, self.virtual)
         self.program = self.schedules[self.pp_rank]
+        self.receipts = send_receipts(self.schedules, self.pp_rank)
         self.p2p = PipelineP2P(comm)
         # What travels between stages is the residual stream in the weights' dtype: bf16 with
         # bf16 weights (ZeRO 1-3), fp32 otherwise (autocast keeps the residual stream fp32).
@@ -68,7 +69,7 @@ class PipelineRunner:
             raise ValueError(f"the schedule has {self.microbatches} micro-batches, the loader gave {len(micro)}")
         stats = self.engine.run(self.program, micro, loss_fn=loss_fn, loss_divisor=global_tokens,
                                 autocast=autocast, no_sync=dp.no_sync,
-                                reduce_grads=lambda: self.reduce_grads(dp))
+                                reduce_grads=lambda: self.reduce_grads(dp), receipts=self.receipts)
         self.last_stats = stats
         loss_sum = stats.loss_sum
         self.comm.all_reduce(loss_sum, "pp")  # only the last stage has it; the others add 0

@@ -291,6 +291,50 @@ def p2p_batches(program: list[Instruction]) -> list[list[Instruction] | Instruct
     return out
 
 
+@dataclass(frozen=True)
+class SendReceipts:
+    """When a rank knows its sends were received without waiting on them: `order` numbers each
+    send (op, chunk, mb) per peer, (peer, k); once the receive `covers` maps to (peer, n) has
+    arrived, that peer has posted the receives of this rank's first n sends to it."""
+
+    order: dict[tuple[str, int, int], tuple[int, int]]
+    covers: dict[tuple[str, int, int], tuple[int, int]]
+
+
+def send_receipts(schedules: list[list[Instruction]], rank: int) -> SendReceipts:
+    """On gloo a send completes only once its receiver has posted the receive (a rendezvous) and
+    reports nothing before it is waited, so an engine that never waits early keeps every tensor it
+    sent until the step's end. But every rank posts its batches in program order, receives before
+    sends (engine.py), and per pair the k-th send meets the k-th receive (above): when a message
+    from peer P arrives, P had posted every receive in that batch or before it, so the sends they
+    match can be waited at once, without stalling on P."""
+    def batches(program):  # instruction index -> its batch's index (p2p_batches)
+        index, out, previous_p2p = -1, [], False
+        for ins in program:
+            index += not (ins.is_p2p and previous_p2p)
+            previous_p2p = ins.is_p2p
+            out.append(index)
+        return out
+
+    def key(ins: Instruction) -> tuple[str, int, int]:
+        return ins.op, ins.chunk, ins.microbatch
+
+    mine = schedules[rank]
+    order, covers = {}, {}
+    for peer in sorted({ins.peer for ins in mine if ins.is_p2p}):
+        theirs, at = schedules[peer], batches(schedules[peer])
+        their_recvs = [at[i] for i, ins in enumerate(theirs) if ins.op in (RECV_ACT, RECV_GRAD) and ins.peer == rank]
+        their_sends = [at[i] for i, ins in enumerate(theirs) if ins.op in (SEND_ACT, SEND_GRAD) and ins.peer == rank]
+        my_sends = [ins for ins in mine if ins.op in (SEND_ACT, SEND_GRAD) and ins.peer == peer]
+        my_recvs = [ins for ins in mine if ins.op in (RECV_ACT, RECV_GRAD) and ins.peer == peer]
+        if len(my_sends) != len(their_recvs) or len(my_recvs) != len(their_sends):
+            raise ScheduleError(f"ranks {rank} and {peer} disagree on how many messages they exchange")
+        order.update((key(ins), (peer, k)) for k, ins in enumerate(my_sends))
+        for recv, sent_at in zip(my_recvs, their_sends):
+            covers[key(recv)] = (peer, sum(1 for posted_at in their_recvs if posted_at <= sent_at))
+    return SendReceipts(order, covers)
+
+
 def peak_in_flight(program: list[Instruction]) -> int:
     """Most (microbatch, chunk) forwards whose backward has not run yet: the activations held."""
     live = peak = 0
