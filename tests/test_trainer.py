@@ -89,6 +89,19 @@ def test_bf16_autocast_trains_close_to_fp32(corpus, tmp_path):
     assert bf16_losses != fp32_losses  # autocast really ran in bf16
 
 
+@pytest.mark.parametrize("world,extra", [(2, ("parallel.zero=3",)), (3, ("parallel.zero=3", "train.global_batch_size=6")),
+                                         (4, ("parallel.zero=3", "parallel.pp=2", "parallel.dp=2"))],
+                         ids=["zero3-dp2", "zero3-dp3", "zero3-dp2-pp2"])
+def test_held_out_batches_that_dp_does_not_divide_evaluate_without_a_hang(corpus, tmp_path, world, extra):
+    """5 held-out batches over 2 or 3 dp ranks: ZeRO-3 gathers every unit over dp in each forward,
+    so every rank runs as many forwards (the short ones on a batch that counts nothing), and the
+    loss is one process's."""
+    single = build_trainer(make_cfg(corpus, tmp_path / "a", 1, "train.eval_batches=5")).evaluate()
+    cfg = make_cfg(corpus, tmp_path / "b", world, "train.eval_batches=5", *extra)
+    assert run_ranks(lambda: build_trainer(cfg).evaluate(), world, timeout=120) == pytest.approx([single] * world,
+                                                                                                  abs=1e-6)
+
+
 def test_eval_loss_is_the_same_for_every_dp_layout(corpus, tmp_path):
     single = build_trainer(make_cfg(corpus, tmp_path / "a", 1)).evaluate()
     ranks = run_ranks(lambda: build_trainer(make_cfg(corpus, tmp_path / "b", 2)).evaluate(), 2)

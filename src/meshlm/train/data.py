@@ -271,3 +271,18 @@ def eval_batches(val_tokens: np.ndarray, seq_len: int, batch_size: int, n_batche
     for b in range(n_batches):
         batches.append(_gather_windows(val_tokens, ids[b * batch_size:(b + 1) * batch_size], seq_len))
     return batches
+
+
+def eval_share(batches: list[Batch], dp_rank: int, dp_size: int) -> list[Batch]:
+    """Data-parallel rank `dp_rank`'s held-out batches: every dp_size-th, then, where the count is
+    not a multiple of dp_size, copies of a batch whose targets are all ignored (they add no loss
+    and no token), so every dp rank runs the same number of forwards: ZeRO-3 all-gathers each
+    unit over dp in every forward, and ranks with unequal counts would wait on each other forever."""
+    from meshlm.model.loss import IGNORE_INDEX
+
+    mine = batches[dp_rank::dp_size]
+    rounds = -(-len(batches) // dp_size)
+    if len(mine) < rounds:
+        inputs, targets = batches[0]
+        mine += [(inputs, torch.full_like(targets, IGNORE_INDEX))] * (rounds - len(mine))
+    return mine

@@ -32,7 +32,7 @@ from meshlm.model.loss import IGNORE_INDEX
 from meshlm.parallel.apply import build_engine, build_local_model, build_loss
 from meshlm.parallel.grad_norm import GRAD_REDUCE_AXES
 from meshlm.data.blend import eval_sets, make_loader
-from meshlm.train.data import PreparedData
+from meshlm.train.data import PreparedData, eval_share
 from meshlm.train.memtrack import PeakMemory
 from meshlm.train.metrics import MetricsWriter, rank_logger
 from meshlm.train.optim import lr_at
@@ -240,15 +240,14 @@ class Trainer:
     @torch.no_grad()
     def _eval_totals(self, eval_set: list) -> torch.Tensor:
         """(summed token loss, target tokens) over `eval_set`, all ranks together; each dp rank
-        takes every dp-th batch."""
+        takes every dp-th batch, as many forwards on every dp rank (data.eval_share)."""
         self.progress.at("eval")
+        mine = eval_share(eval_set, self.ctx.coord("dp"), self.dp_size)
         if self.pipeline is not None:
-            return self.pipeline.eval_totals(eval_set, self.loss_sum, self._autocast)
+            return self.pipeline.eval_totals(mine, self.loss_sum, self._autocast)
         self.dp.module.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, (inputs, targets) in enumerate(eval_set):
-            if i % self.dp_size != self.ctx.coord("dp"):
-                continue
+        for inputs, targets in mine:
             with self._autocast():
                 logits = self.dp.module(inputs.to(self.device))
             targets = targets.to(self.device)

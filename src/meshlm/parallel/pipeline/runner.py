@@ -110,11 +110,9 @@ class PipelineRunner:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def eval_totals(self, batches: Sequence[Batch], loss_fn, autocast) -> torch.Tensor:
-        """(summed token loss, target tokens) over `batches`, all ranks together; each dp replica
-        takes every dp-th batch and streams them through the pipeline forward-only."""
-        dp_rank, dp_size = self.ctx.coord("dp"), self.ctx.size("dp")
-        mine = [b for i, b in enumerate(batches) if i % dp_size == dp_rank]
+    def eval_totals(self, mine: Sequence[Batch], loss_fn, autocast) -> torch.Tensor:
+        """(summed token loss, target tokens), all ranks together, of this dp replica's held-out
+        batches (`mine`, data.eval_share) streamed through the pipeline forward-only."""
         program = self._eval_programs.get(len(mine))
         if program is None and mine:
             program = build_schedule(self.kind, self.pp, len(mine), self.virtual, forward_only=True)[self.pp_rank]
