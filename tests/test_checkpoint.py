@@ -82,6 +82,18 @@ def test_single_process_resume_is_bitwise_exact(corpus, tmp_path, reference):
     assert first + rest == reference["untied"]  # tolerance 0
 
 
+def test_resume_after_a_skipped_nonfinite_step_is_bitwise_exact(corpus, tmp_path):
+    """Step 1's update is dropped (train.on_nonfinite=skip): AdamW has stepped once fewer than the
+    training step, and its bias correction reads that count, which the checkpoint must restore."""
+    skipping = [*UNTIED, "train.on_nonfinite=skip", "debug.fault=nan", "debug.fault_step=1"]
+    straight = train_segment(corpus, tmp_path / "straight", 1, skipping, None, STEPS, False)[0]
+    first = train_segment(corpus, tmp_path, 1, skipping, None, SAVE_AT, True)[0]
+    rest = train_segment(corpus, tmp_path / "again", 1, skipping, tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}",
+                         STEPS, False)[0]
+    assert first[0] != first[0]  # the skipped step's loss: NaN
+    assert first[1:] + rest == straight[1:]  # tolerance 0
+
+
 @pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved", "dp2-zero1-bf16",
                                     "dp2-zero3-bf16", "pp3-empty-stage"])
 def test_same_layout_resume_is_bitwise_exact(corpus, tmp_path, layout):
