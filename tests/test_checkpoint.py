@@ -94,6 +94,32 @@ def test_resume_after_a_skipped_nonfinite_step_is_bitwise_exact(corpus, tmp_path
     assert first[1:] + rest == straight[1:]  # tolerance 0
 
 
+def _resume_older_slowly(corpus, run_dir, older):
+    """Resume `older` (a newer checkpoint beside it), rank 1 slower to open it than rank 0."""
+    import time
+
+    import torch.distributed as dist
+
+    import meshlm.train.checkpoint.state as state
+    from meshlm.train.worker import start_state
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, 2, *UNTIED, "parallel.zero=0", f"checkpoint.resume={older}",
+                                      steps=STEPS))
+    if dist.get_rank() == 1:
+        real = state.CheckpointReader
+        state.CheckpointReader = lambda path: time.sleep(0.5) or real(path)
+    start_state(trainer)
+    return trainer.step
+
+
+def test_the_older_checkpoint_a_run_resumes_is_moved_aside_only_once_every_rank_has_read_it(corpus, tmp_path):
+    for start, stop in ((None, SAVE_AT), (tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}", SAVE_AT + 1)):
+        run_ranks(train_segment, 2, corpus, tmp_path, 2, [*UNTIED, "parallel.zero=0"], start, stop, True, timeout=240)
+    older = tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}"
+    assert run_ranks(_resume_older_slowly, 2, corpus, tmp_path, older, timeout=240) == [SAVE_AT, SAVE_AT]
+    assert not (tmp_path / "checkpoints").exists() and list(tmp_path.glob("checkpoints.old-*"))
+
+
 @pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved", "dp2-zero1-bf16",
                                     "dp2-zero3-bf16", "pp3-empty-stage"])
 def test_same_layout_resume_is_bitwise_exact(corpus, tmp_path, layout):

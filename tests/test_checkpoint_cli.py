@@ -140,11 +140,12 @@ def test_second_ctrl_c_exits_at_once_and_leaves_no_checkpoint_half_written(corpu
         assert verify(path) is None
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_path, straight, four_steps):
+@pytest.mark.parametrize("byte", [-1, 10], ids=["contents", "header"])  # the header: the launcher cannot open it
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_path, straight, four_steps, byte):
     copy_of(four_steps, tmp_path)
     newest = tmp_path / "checkpoints" / "step_0000004" / "rank00000.safetensors"
     data = bytearray(newest.read_bytes())
-    data[-1] ^= 0xFF
+    data[byte] ^= 0xFF
     newest.write_bytes(bytes(data))
     (tmp_path / "checkpoints" / "step_0000005").mkdir()  # a directory without a manifest: never loaded
     proc = run_meshlm(*train_args(corpus, tmp_path), in_process=True)
@@ -154,6 +155,21 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(corpus, tmp_pa
     assert "skipping checkpoint step_0000005" in proc.stdout + proc.stderr and "resuming from" in proc.stdout
     assert "resumed from" in proc.stdout and "step_0000002" in proc.stdout
     assert losses(tmp_path) == straight
+
+
+def test_a_restart_before_the_first_save_resumes_the_checkpoint_it_was_given(corpus, tmp_path, four_steps):
+    """Rank 1 dies at step 5, before this run's first checkpoint (6): torchrun restarts the ranks,
+    which continue from checkpoint.resume's step 4 again, not from scratch."""
+    given = f"checkpoint.resume={four_steps}/checkpoints/step_0000004"
+    run_meshlm(*train_args(corpus, tmp_path / "reference", given), in_process=True)
+    proc = run_meshlm(*train_args(corpus, tmp_path / "restarted", given, "debug.fault=kill", "debug.fault_rank=1",
+                                  "debug.fault_step=5"), "--nproc", "2", "--max-restarts", "1")
+    assert proc.stdout.count("resumed from") == 2 and "step 4 of 6" in proc.stdout
+    rows = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "restarted")}
+    reference = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "reference")}
+    assert sorted(rows) == sorted(reference) == [5, 6] and [rows[5], rows[6]] == pytest.approx(
+        [reference[5], reference[6]], abs=1e-5, rel=0)
+    no_rank_left(tmp_path / "restarted")
 
 
 def test_no_good_checkpoint_is_exit_1_in_one_line(corpus, tmp_path, four_steps):

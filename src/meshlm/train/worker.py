@@ -41,7 +41,9 @@ def start_state(trainer: Trainer) -> None:
         trainer.metrics.resume_at(trainer.step)
         trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
                               f"{_layout_text(meta['layout'])})")
-    # This run continues its directory's newest checkpoint, or its checkpoints are not ours to mix with.
+    # This run continues its directory's newest checkpoint, or its checkpoints are not ours to mix
+    # with. Once every rank has read its checkpoint: it may be one of those moved aside.
+    trainer.comm.barrier()
     if trainer.ctx.rank == 0 and (aside := set_aside_old_checkpoints(cfg, keep_if_newest=path)) is not None:
         trainer.metrics.print(f"moved the run directory's earlier checkpoints to {aside} (this run does not "
                               f"continue from the newest of them)")

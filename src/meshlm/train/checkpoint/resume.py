@@ -70,32 +70,36 @@ def _warn_if_schedule_changed(path: Path, cfg: Config, warn) -> None:
 
 def precheck(cfg: Config, warn=print) -> Path | None:
     """The launcher's check (no hashing): the checkpoint a run will most likely continue from,
-    or None. ConfigError if the requested one is not a checkpoint or does not fit the model."""
+    or None. ConfigError if the requested one is not a checkpoint or does not fit the model. Where
+    the ranks would fall back to an older checkpoint (auto, or a run directory), so does this."""
     mode = cfg.checkpoint.resume
     if mode == "never":
         return None
     if mode == "auto":
-        for path in reversed(list_checkpoints(checkpoint_root(cfg))):
-            problem = _small_files_problem(path)
-            if problem:  # the ranks check every file again, and fall back the same way
-                warn(f"meshlm: warning: skipping checkpoint {path.name}: {problem}")
-                continue
+        candidates, fall_back = list_checkpoints(checkpoint_root(cfg)), True
+    else:
+        path = Path(mode)
+        if not path.exists():
+            raise ConfigError(f"checkpoint.resume: {path} does not exist")
+        candidates = explicit_candidates(path)
+        fall_back = len(candidates) > 1
+    for path in reversed(candidates):
+        problem = _small_files_problem(path)
+        if problem is None:
             try:
                 check_compatible(path, cfg, warn)
+                return path
+            except CheckpointError as e:  # a rank file's header unreadable, or missing
+                problem = str(e)
             except ConfigError as e:
+                if mode != "auto":
+                    raise
                 raise ConfigError(f"{e}; run.dir={cfg.run.dir} holds another run's checkpoints: use "
                                   f"checkpoint.resume=never or another run.dir") from None
-            return path
-        return None
-    path = Path(mode)
-    if not path.exists():
-        raise ConfigError(f"checkpoint.resume: {path} does not exist")
-    candidates = explicit_candidates(path)
-    problem = _small_files_problem(candidates[-1])
-    if problem:
-        raise ConfigError(f"checkpoint.resume: {problem}")
-    check_compatible(candidates[-1], cfg, warn)
-    return candidates[-1]
+        if not fall_back:
+            raise ConfigError(f"checkpoint.resume: {problem}")
+        warn(f"meshlm: warning: skipping checkpoint {path.name}: {problem}")  # the ranks fall back the same way
+    return None
 
 
 def _small_files_problem(path: Path) -> str | None:
@@ -121,12 +125,16 @@ def verify_together(path: Path, comm, ctx) -> str | None:
 
 
 def choose(cfg: Config, comm, ctx, warn) -> Path | None:
-    """The checkpoint every rank loads (collective), or None to start fresh."""
-    mode = "auto" if is_restart() else cfg.checkpoint.resume
+    """The checkpoint every rank loads (collective), or None to start fresh. A restart continues
+    from the run's own newest checkpoint, or, if it died before saving one, from where it was
+    told to start."""
+    mode = cfg.checkpoint.resume
+    if is_restart() or mode == "auto":
+        own = newest_good(checkpoint_root(cfg), lambda p: verify_together(p, comm, ctx), warn)
+        if own is not None or mode in ("auto", "never"):
+            return own
     if mode == "never":
         return None
-    if mode == "auto":
-        return newest_good(checkpoint_root(cfg), lambda p: verify_together(p, comm, ctx), warn)
     candidates = explicit_candidates(Path(mode))
     if len(candidates) > 1:  # a run directory: its newest good checkpoint
         return newest_good(candidates[0].parent, lambda p: verify_together(p, comm, ctx), warn)
