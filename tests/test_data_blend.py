@@ -80,7 +80,10 @@ def test_blend_config_errors_name_the_key(tmp_path):
     good = [[0.7, str(tmp_path / "a.txt")], [0.3, str(tmp_path / "a.txt")]]
     assert parse_blend(good) == [(0.7, str(tmp_path / "a.txt")), (0.3, str(tmp_path / "a.txt"))]
     for blend, words in [([], "non-empty"), ([[0, str(tmp_path / "a.txt")]], "weights must be > 0"),
-                         ([[1, str(tmp_path / "missing")]], "does not exist"), ([["x", "y"]], "must be \\[weight")]:
+                         ([[1, str(tmp_path / "missing")]], "does not exist"), ([["x", "y"]], "must be \\[weight"),
+                         # under half a sample in each block of 1024: rounded to none, never trained on
+                         ([[1, str(tmp_path / "a.txt")], [0.0004, str(tmp_path / "a.txt")]],
+                          "entry 1 .* under one sample in each block of 1024: it would never be sampled")]:
         with pytest.raises(ConfigError, match=f"^data.blend: .*{words}"):
             parse_blend(blend)
     with pytest.raises(ConfigError, match="^data.blend: .*not both"):
@@ -110,6 +113,19 @@ def test_a_prepared_blend_shares_one_tokenizer_and_evaluates_each_corpus(tmp_pat
     assert prepare_data(cfg, 320, log=lambda m: None).cache_hit  # prepared once
     single = prepare_data(DataConfig(path=blend[0][1], cache_dir=str(tmp_path / "cache")), 320, log=lambda m: None)
     assert isinstance(make_loader(single, 16, 8, 0), TokenLoader) and list(eval_sets(single, 16, 2, 2)) == ["prose"]
+
+
+def test_corpora_with_the_same_directory_name_are_evaluated_each(tmp_path):
+    """`a/prose` and `b/prose`: two held-out sets (a dict keyed by the label alone kept one)."""
+    for sub, word in (("a", "sea"), ("b", "hill")):
+        (tmp_path / sub / "prose").mkdir(parents=True)
+        (tmp_path / sub / "prose" / "x.txt").write_text("".join(f"Line {i} about the {word}.\n" for i in range(300)))
+    blend = [[1, str(tmp_path / "a" / "prose")], [1, str(tmp_path / "b" / "prose")]]
+    data = prepare_data(DataConfig(blend=blend, cache_dir=str(tmp_path / "cache"), workers=1, val_fraction=0.1), 320,
+                        log=lambda m: None)
+    sets = eval_sets(data, 16, 2, 2)
+    assert list(sets) == ["prose.1", "prose.2"]
+    assert not torch.equal(sets["prose.1"][0][0], sets["prose.2"][0][0])  # each its own corpus's text
 
 
 def test_inspect_reports_documents_tokens_longest_and_epochs_with_a_warning(tmp_path):

@@ -45,6 +45,11 @@ def parse_blend(blend: list, path: str | None = None) -> list[tuple[float, str]]
             raise ConfigError(f"data.blend: entry {i}: {corpus_path} does not exist")
         parts.append((weight, corpus_path))
     total = sum(weight for weight, _ in parts)
+    quotas = block_quotas([weight / total for weight, _ in parts])
+    for i, (quota, (weight, corpus_path)) in enumerate(zip(quotas, parts)):
+        if quota == 0:  # below half a sample per block: it would be prepared, evaluated, never trained on
+            raise ConfigError(f"data.blend: entry {i} ({corpus_path}) has weight {weight:g} of {total:g}, under one "
+                              f"sample in each block of {BLOCK}: it would never be sampled")
     return [(weight / total, corpus_path) for weight, corpus_path in parts]
 
 
@@ -116,9 +121,13 @@ def make_loader(data, seq_len: int, global_batch_size: int, seed: int):
 
 
 def eval_sets(data, seq_len: int, batch_size: int, n_batches: int) -> dict:
-    """{corpus label: fixed held-out batches}: one entry, or one per corpus of a blend."""
+    """{corpus label: fixed held-out batches}: one entry, or one per corpus of a blend. Corpora
+    whose labels (their directory names) coincide are told apart by their place in the blend,
+    `train.1`, `train.2`: one entry each, or the later would replace the earlier."""
     parts = data.parts or ((1.0, data),)
-    return {p.corpus: eval_batches(p.val_tokens(), seq_len, batch_size, n_batches) for _, p in parts}
+    labels = [p.corpus for _, p in parts]
+    names = [f"{label}.{i + 1}" if labels.count(label) > 1 else label for i, label in enumerate(labels)]
+    return {name: eval_batches(p.val_tokens(), seq_len, batch_size, n_batches) for name, (_, p) in zip(names, parts)}
 
 
 class BlendLoader(TokenLoader):
