@@ -206,6 +206,9 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_step
                                       "train.global_batch_size=16"), "train.global_batch_size")
     one_line_error(capsys, train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}", "train.seq_len=16"),
                    "train.seq_len: 16, but checkpoint")
+    # 8 heads of 8 and 4 kv heads: the weights' shapes of 4 heads of 16 and 2 kv heads, another model
+    one_line_error(capsys, train_args(corpus, tmp_path / "d", f"checkpoint.resume={ckpt}", "model.n_heads=8",
+                                      "model.n_kv_heads=4"), "model.n_heads: 8, but checkpoint", "trained with 4")
     one_line_error(capsys, train_args(corpus, tmp_path / "e", "checkpoint.interval=-1"), "checkpoint.interval")
     # the run directory's own checkpoints of another model: auto names the tensor and the way out
     one_line_error(capsys, train_args(corpus, tmp_path / "run", "model.n_layers=3"), "layers.2", "checkpoint.resume=never")
@@ -229,6 +232,10 @@ def test_an_explicit_older_checkpoint_is_the_one_resumed(corpus, tmp_path, four_
     absolute = tmp_path / "old" / "checkpoints" / "step_0000002"
     run_meshlm(*train_args(corpus, tmp_path / "again", f"checkpoint.resume={absolute}"), in_process=True)
     assert [r["loss"] for r in read_metrics(tmp_path / "again")] == straight[2:]
+    other_rope = run_meshlm(*train_args(corpus, tmp_path / "rope", f"checkpoint.resume={absolute}",
+                                        "model.rope_theta=20000"), in_process=True)
+    assert "with model.rope_theta 10000.0 -> 20000.0: the same weights compute another function" in \
+        other_rope.stdout + other_rope.stderr
     whole_run = run_meshlm(*train_args(corpus, tmp_path / "next", "checkpoint.resume=old"), in_process=True)
     assert "step_0000004" in whole_run.stdout  # a run directory: its newest checkpoint
     assert [r["step"] for r in read_metrics(tmp_path / "next")] == [5, 6]

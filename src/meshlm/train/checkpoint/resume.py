@@ -44,6 +44,16 @@ def check_compatible(path: Path, cfg: Config, warn) -> None:
 
     reader = CheckpointReader(path)
     check_shapes(reader, cfg.model)
+    saved = reader.meta.get("model", {})
+    for key in ("n_heads", "n_kv_heads"):  # the same weight shapes can be cut into other heads
+        if key in saved and saved[key] != getattr(cfg.model, key):
+            raise ConfigError(f"model.{key}: {getattr(cfg.model, key)}, but checkpoint {path} was trained with "
+                              f"{saved[key]} (the weights have the same shapes, split into other heads)")
+    changed = [f"model.{k} {saved[k]} -> {getattr(cfg.model, k)}" for k in ("rope_theta", "norm_eps")
+               if k in saved and saved[k] != getattr(cfg.model, k)]
+    if changed:
+        warn(f"meshlm: warning: resuming {path.name} with {', '.join(changed)}: the same weights compute "
+             f"another function")
     data = reader.meta["data"]
     for key, ours in (("seed", cfg.run.seed), ("seq_len", cfg.train.seq_len),
                       ("global_batch_size", cfg.train.global_batch_size)):
