@@ -25,6 +25,10 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert resolve(load_config(str(path))) == cfg
+    # a prompt from a TOML file may hold any character: newlines, tabs, control characters, a backslash
+    cfg.run.sample_prompt = "First Citizen:\nBefore\twe \\ proceed\x01\x7f é"
+    path.write_text(to_toml(cfg))
+    assert load_config(str(path)).run.sample_prompt == cfg.run.sample_prompt
 
 
 def test_dp_is_inferred_from_the_world_size():

@@ -9,6 +9,7 @@ a `ConfigError` whose message names the offending key; the CLI prints it and exi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 import types
@@ -382,7 +383,10 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):  # data.blend: a TOML inline array
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # A JSON string is a TOML basic string: quotes, backslashes, newlines, tabs and every other
+    # control character escaped (a prompt from a TOML file may hold any of them), but DEL, which
+    # JSON leaves as it is and TOML forbids.
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def to_toml(cfg: Config) -> str:
