@@ -19,7 +19,7 @@ from meshlm.testing import run_ranks
 from meshlm.train.checkpoint import save_checkpoint
 from meshlm.train.checkpoint.hf import hf_name
 from meshlm.train.checkpoint.hf_import import init_from
-from meshlm.train.checkpoint.hf_export import export_hf
+from meshlm.train.checkpoint.hf_export import EXPORTED, export_hf
 from meshlm.train.tokenizer import encode, load_tokenizer
 
 from helpers import build_trainer, read_metrics, run_meshlm, small_cfg
@@ -341,3 +341,21 @@ def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
     line = in_process_fails(capsys, "export", "--checkpoint", str(corrupt), "--out", str(tmp_path / "x"), code=1)
     assert "rank00000.safetensors" in line and "checksum" in line
     assert not (tmp_path / "x").exists()
+    # another model's directory (a config.json and its shards): never replaced
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+    line = in_process_fails(capsys, "export", "--checkpoint", str(checkpoint), "--out", str(other), code=2)
+    assert "--out" in line and "model-00001-of-00002.safetensors, which no export writes" in line
+    assert (other / "model-00001-of-00002.safetensors").read_bytes() == b"weights"
+
+
+def test_export_into_the_working_directory(saved, tmp_path, monkeypatch):
+    _, checkpoint, _ = saved("single-untied")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", "."]) == 0
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == sorted(EXPORTED)
+    assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", "."]) == 0  # an earlier export: replaced
+    assert Path.cwd() == tmp_path / "here" and sorted(p.name for p in Path.cwd().iterdir()) == sorted(EXPORTED)

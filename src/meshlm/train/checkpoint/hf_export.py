@@ -138,10 +138,18 @@ def _open_source(path: Path) -> _Source:
     return _CheckpointSource(found) if kind == "checkpoint" else _FinalSource(found)
 
 
+EXPORTED = (HF_WEIGHTS, HF_CONFIG, "tokenizer.json", TOKENIZER_CONFIG)  # what an export writes, all of it
+
+
 def _check_out(out: Path) -> None:
-    """`out` may be new, empty, or an earlier export (replaced whole); anything else is kept safe."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / HF_CONFIG).is_file())):
-        raise ConfigError(f"--out: {out} exists and is not an earlier export; choose a new directory")
+    """`out` may be new, empty, or an earlier export (replaced whole: nothing in it but what an
+    export writes); anything else is kept safe, another model's directory above all."""
+    if not out.exists():
+        return
+    foreign = [] if not out.is_dir() else sorted(p.name for p in out.iterdir() if p.name not in EXPORTED)
+    if not out.is_dir() or foreign or (any(out.iterdir()) and not (out / HF_CONFIG).is_file()):
+        what = f"it holds {foreign[0]}, which no export writes" if foreign else "it is not an earlier export"
+        raise ConfigError(f"--out: {out} exists and {what}; choose a new directory")
 
 
 def export_hf(source: Path, out: Path) -> ExportReport:
@@ -149,7 +157,7 @@ def export_hf(source: Path, out: Path) -> ExportReport:
     directory: its newest good checkpoint, or a final/ directory)."""
     t0 = time.perf_counter()
     src = _open_source(Path(source))
-    out = Path(out)
+    out = Path(out).resolve()  # `.` has no name to put a temporary directory beside
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -168,11 +176,11 @@ def export_hf(source: Path, out: Path) -> ExportReport:
         shutil.copyfile(src.tokenizer, tmp / "tokenizer.json")
         (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(end_token, src.model.max_seq_len),
                                                        indent=2) + "\n")
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():  # empty or an earlier export: its files replaced one by one, the directory
+            for name in EXPORTED:  # kept (it may be the working directory of whoever runs this)
+                os.replace(tmp / name, out / name)
+        else:
+            os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(int(torch.Size(s).numel()) for s in src.shapes.values())
