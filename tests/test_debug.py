@@ -213,5 +213,16 @@ def test_oom_report_names_rank_phase_categories_and_changes_that_fit(corpus, tmp
     assert lines[0].startswith("out of memory on rank 1 in the backward of step 7")
     assert {"params", "grads", "optimizer", "activations", "peak"} <= {line.split()[0] for line in lines[1:-1]}
     assert lines[-1].startswith("  to fit: ")
+    # a pipeline: each rank's report holds its own stage's prediction (the stages differ: the
+    # first holds the embedding, the last the head and its logits)
+    from meshlm.analysis.memory import predict
+    from meshlm.train.metrics import format_bytes
+
+    piped = small_cfg(corpus, tmp_path, 4, "parallel.pp=4", "model.n_layers=4", "model.vocab_size=4096")
+    stages = predict(piped, backend="shm").ranks
+    for rank in range(4):
+        params = next(line for line in oom_report(piped, rank, 1, "forward", None, torch.device("cpu"))
+                      if line.split()[0] == "params")
+        assert params.split()[-2:] == format_bytes(stages[rank].params_bytes).split(), rank
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))

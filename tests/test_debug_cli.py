@@ -62,6 +62,25 @@ def test_an_injected_fault_ends_the_job_with_a_verdict_naming_the_rank(corpus, t
     assert not (tmp_path / "final").exists()
 
 
+def test_a_killed_rank_is_the_one_named(corpus, tmp_path, capsys):
+    """Rank 1 killed: rank 0 finds its peer gone inside a shared-memory collective. That is a lost
+    peer, not rank 0's own failure: the verdict is a crash of rank 1."""
+    proc, _ = train(corpus, tmp_path, 2, "debug.fault=kill", "debug.fault_rank=1", "debug.fault_step=2")
+    assert proc.returncode != 0
+    result = analyze_json(tmp_path, capsys)
+    assert (result["verdict"], result["ranks"]) == ("crash", [1]), result["line"]
+
+
+def test_each_run_is_analysed_alone(corpus, tmp_path, capsys):
+    """A finished run of 3 ranks, a failed one of 2, then a clean run of 1 in the same directory:
+    the analysis reads the last run only (not the first's rank-2 log, nor the second's dumps)."""
+    for nproc, faults in ((3, ()), (2, ("debug.fault=raise", "debug.fault_rank=1", "debug.fault_step=2")), (1, ())):
+        proc, _ = train(corpus, tmp_path, nproc, *faults, steps=2)
+        assert proc.returncode == (1 if faults else 0), proc.stderr[-2000:]
+    result = analyze_json(tmp_path, capsys)
+    assert result["verdict"] == "ok" and "1 ranks' collectives agree" in result["line"], result["line"]
+
+
 def test_a_slow_rank_is_named_as_the_straggler_and_the_run_finishes(corpus, tmp_path):
     proc, _ = train(corpus, tmp_path, 2, "debug.fault=slow", "debug.fault_rank=1", "debug.fault_step=1",
                     "debug.fault_slow_s=0.3", "train.log_interval=1", steps=4)

@@ -71,6 +71,9 @@ def cmd_train(args) -> int:
           f"{world_size} rank(s) dp={cfg.parallel.dp}, {cfg.train.steps} steps of "
           f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}"
           + (f", resuming from {resume_from}" if resume_from else ""), flush=True)
+    from meshlm.debug.dumps import clear_dumps
+
+    clear_dumps(run_dir)  # this run's dumps and logs only (meshlm debug analyze), with one rank or many
     t0 = time.perf_counter()
     interrupted = False  # Ctrl-C reached the launcher, which sent the ranks SIGTERM (launch.py)
     elsewhere = None  # where global rank 0 ran, when not among this launcher's ranks (train/rank0_node.py)
@@ -87,10 +90,7 @@ def cmd_train(args) -> int:
     else:
         from meshlm.launch import launch
 
-        from meshlm.debug.dumps import clear_dumps
-
         (run_dir / "preempted.json").unlink(missing_ok=True)  # only this run's ranks may leave one
-        clear_dumps(run_dir)  # the debug dumps of this run only (meshlm debug analyze)
         from meshlm.train.rank0_node import rank0_elsewhere, tag_launch
 
         launch_id = tag_launch(args.node_rank, run_dir)

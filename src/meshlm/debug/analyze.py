@@ -178,9 +178,10 @@ def analyze(run_dir: Path | str) -> dict:
         return analyze_finished(run_dir)
     world = max(d["world_size"] for d in dumps.values())
     missing = sorted(set(range(world)) - set(dumps))
-    result = find_desync(dumps) or find_failure(dumps) or find_hang(dumps)
+    lost = [r for r, d in dumps.items() if d.get("reason") == "peer_lost"]
+    died = missing and len(lost) == len(dumps)  # ranks gone without a word, the rest found them gone
+    result = find_desync(dumps) or find_failure(dumps) or (None if died else find_hang(dumps))
     if result is None:
-        lost = [r for r, d in dumps.items() if d.get("reason") == "peer_lost"]
         if missing:
             result = {"verdict": "crash", "ranks": missing, "line": f"crash: rank{'s' if len(missing) > 1 else ''} "
                       f"{', '.join(map(str, missing))} died without a report (killed, or a native crash); "

@@ -71,8 +71,9 @@ def read_dumps(run_dir: Path | str) -> dict[int, dict]:
 
 
 def clear_dumps(run_dir: Path | str) -> None:
-    """A new run's dumps must not be read together with an earlier run's."""
-    for path in debug_dir(run_dir).glob("rank*.json*"):
+    """A new run's dumps and communication logs must not be read together with an earlier run's
+    (one of more ranks, or that failed otherwise): `meshlm debug analyze` compares all it finds."""
+    for path in [*debug_dir(run_dir).glob("rank*.json*"), *(Path(run_dir) / "logs").glob("comm_rank*.jsonl")]:
         path.unlink(missing_ok=True)
 
 

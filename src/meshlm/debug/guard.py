@@ -20,7 +20,7 @@ from meshlm.errors import ConfigError, RunError
 
 # Errors a rank sees because another rank died first: the other rank's dump holds the cause.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-             "NCCL communicator was aborted")
+             "NCCL communicator was aborted", "shared-memory barrier: peer")  # comm/shm_barrier.py's "... is gone"
 
 
 class RankFailed(Exception):

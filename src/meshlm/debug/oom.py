@@ -89,8 +89,10 @@ def oom_report(cfg, rank: int, step: int, phase: str, engine, device: torch.devi
     try:
         from meshlm.analysis.memory import predict
 
-        predicted = predict(cfg, backend=backend)
-        mine = max(predicted.ranks, key=lambda r: r.peak_bytes)
+        from meshlm.mesh import Layout
+
+        predicted = predict(cfg, backend=backend)  # one role per pipeline stage: this rank's stage's
+        mine = predicted.ranks[Layout.from_config(p).coords(rank)["pp"]]
         lines.append(f"  {'category':<20} {'measured now':>14} {'predicted at peak':>18}")
         for name in CATEGORIES:
             now = measured.get(name)
