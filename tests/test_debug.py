@@ -114,6 +114,18 @@ def _one_rank_stalls(run_dir, stall_rank):
         return dog.fired.is_set()
 
 
+def test_the_first_step_a_process_runs_has_the_startup_limit_even_after_a_resume(tmp_path):
+    progress = Progress()
+    dog = Watchdog(Comm(ParallelContext(Layout())), progress, tmp_path, timeout_s=1, startup_timeout_s=9,
+                   exit_process=False)
+    progress.resumed_at(40)
+    progress.at("forward")
+    assert (progress.step, dog.limit_s()) == (40, 9)  # building, loading and its first step
+    progress.step_done(41)
+    progress.at("forward")
+    assert dog.limit_s() == 1
+
+
 def test_watchdog_dumps_every_rank_and_the_analysis_names_the_stalled_one(tmp_path):
     assert run_ranks(_one_rank_stalls, 2, tmp_path, 1, timeout=30) == [True, True]
     dumps = read_dumps(tmp_path)

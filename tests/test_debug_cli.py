@@ -71,6 +71,15 @@ def test_a_killed_rank_is_the_one_named(corpus, tmp_path, capsys):
     assert (result["verdict"], result["ranks"]) == ("crash", [1]), result["line"]
 
 
+def test_a_resumed_run_reports_the_step_it_is_at(corpus, tmp_path, capsys):
+    proc, _ = train(corpus, tmp_path, 2, "checkpoint.interval=2", steps=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, _ = train(corpus, tmp_path, 2, "checkpoint.interval=2", "debug.fault=raise", "debug.fault_rank=1",
+                    "debug.fault_step=3", steps=4)
+    assert "resuming from" in proc.stdout and "rank 1 failed at step 3 (" in proc.stderr, proc.stderr[-2000:]
+    assert analyze_json(tmp_path, capsys)["step"] == 3
+
+
 def test_each_run_is_analysed_alone(corpus, tmp_path, capsys):
     """A finished run of 3 ranks, a failed one of 2, then a clean run of 1 in the same directory:
     the analysis reads the last run only (not the first's rank-2 log, nor the second's dumps)."""

@@ -13,9 +13,13 @@ PHASES = ("setup", "forward", "backward", "optimizer", "eval", "checkpoint", "ga
 
 class Progress:
     def __init__(self) -> None:
-        self.step = 0  # steps completed
+        self.step = 0  # steps completed (a resumed run's count from its checkpoint on)
+        self.started_at = 0  # the step this process started from: its own first step is still slow
         self.phase = "setup"
         self.last_change = time.perf_counter()  # the watchdog's sign of life outside collectives
+
+    def resumed_at(self, step: int) -> None:
+        self.step = self.started_at = step
 
     def at(self, phase: str) -> None:
         self.phase = phase

@@ -56,7 +56,7 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def limit_s(self) -> float:
-        slow = self.progress.step == 0 or self.progress.phase in SLOW_PHASES
+        slow = self.progress.step == self.progress.started_at or self.progress.phase in SLOW_PHASES
         return self.startup_timeout_s if slow else self.timeout_s
 
     def idle_s(self) -> float:

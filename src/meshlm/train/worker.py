@@ -39,6 +39,7 @@ def start_state(trainer: Trainer) -> None:
     if path is not None:
         meta = load_checkpoint(trainer, path)
         trainer.metrics.resume_at(trainer.step)
+        trainer.progress.resumed_at(trainer.step)  # reports name the step the run is at
         trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
                               f"{_layout_text(meta['layout'])})")
     # This run continues its directory's newest checkpoint, or its checkpoints are not ours to mix
