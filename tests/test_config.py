@@ -137,6 +137,16 @@ def test_bad_toml_file_names_file_and_line(tmp_path):
         load_config(str(tmp_path / "missing.toml"))
 
 
+def test_run_and_cache_directories_that_are_files_are_refused_by_name(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    for key in ("run.dir", "data.cache_dir"):
+        with pytest.raises(ConfigError, match=f"^{key}: .*afile exists and is not a directory"):
+            resolve(load_config(None, [f"{key}={tmp_path / 'afile'}"]))
+    monkeypatch.setenv("HOME", str(tmp_path))  # data.path with ~, as the corpus reader reads it
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    assert resolve(load_config(None, ["data.path=~/corpus.txt"])).data.path == "~/corpus.txt"
+
+
 def _meshlm(*args):
     return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True, text=True, timeout=120)
 
@@ -147,6 +157,9 @@ def _meshlm(*args):
     (["train", "parallel.zero=9"], "parallel.zero"),
     (["train", "--nproc", "2", "parallel.dp=1"], "world size"),
     (["generate", "--checkpoint", "/no/such/dir"], "--checkpoint"),
+    (["train", "--nnodes", "0"], "--nnodes"),
+    (["generate", "--checkpoint", "/no/such/dir", "--temperature", "nan"], "--temperature"),
+    (["generate", "--checkpoint", "/no/such/dir", "--seed", str(2**70)], "--seed"),
 ])
 def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
     """Through meshlm.cli.main in this process (what `python -m meshlm.cli` runs; an exception that

@@ -105,6 +105,22 @@ def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_di
     assert json.loads((tmp_path / "a" / "rank0.json").read_text())["launch"] == "launch0"
 
 
+def test_generate_needs_nothing_of_the_training_data(single_cli_run, tmp_path):
+    """A run trained on a blend whose corpora are gone since: generate reads the weights, the
+    config and the tokenizer saved beside them, and checks nothing that only training needs."""
+    import shutil
+
+    run_dir, _ = single_cli_run
+    shutil.copytree(run_dir / "final", tmp_path / "final")
+    config = (tmp_path / "final" / "config.toml").read_text()
+    config = "\n".join(line for line in config.splitlines() if not line.startswith("path = "))
+    config = config.replace("[data]", '[data]\nblend = [[1.0, "/gone/corpus"]]')
+    (tmp_path / "final" / "config.toml").write_text(config)
+    out = run_meshlm("generate", "--checkpoint", str(tmp_path / "final"), "--prompt", "The ", "--max-new-tokens", "4",
+                     in_process=True).stdout
+    assert out.startswith("The ")
+
+
 def test_generate_continues_the_prompt(single_cli_run):
     run_dir, _ = single_cli_run
     out = run_meshlm("generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "12",

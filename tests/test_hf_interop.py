@@ -359,3 +359,8 @@ def test_export_into_the_working_directory(saved, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "here").iterdir()) == sorted(EXPORTED)
     assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", "."]) == 0  # an earlier export: replaced
     assert Path.cwd() == tmp_path / "here" and sorted(p.name for p in Path.cwd().iterdir()) == sorted(EXPORTED)
+    # paths that look like numbers are paths: `meshlm import --hf 1000 --out 42`
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").rename(tmp_path / "1000")
+    assert meshlm_main(["import", "--hf", "1000", "--out", "42"]) == 0
+    assert (tmp_path / "42" / "final" / "model.safetensors").is_file()

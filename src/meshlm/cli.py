@@ -7,6 +7,7 @@ traceback), 1 runtime failure.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -43,7 +44,9 @@ def _train_parser(sub) -> None:
 def cmd_train(args) -> int:
     if args.nproc < 1:
         return _fail_usage(f"--nproc: must be >= 1, got {args.nproc}")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+    if args.nnodes < 1:
+        return _fail_usage(f"--nnodes: must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
         return _fail_usage(f"--node-rank: must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         return _fail_usage("--rdzv-endpoint: required when --nnodes > 1 (HOST:PORT of node 0)")
@@ -167,8 +170,10 @@ def cmd_generate(args) -> int:
     from meshlm.train.generate import sample
     from meshlm.train.weights import load_trained
 
-    if args.temperature < 0:
-        return _fail_usage(f"--temperature: must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return _fail_usage(f"--temperature: must be a number >= 0, got {args.temperature}")
+    if not 0 <= args.seed < 2**63:  # torch.Generator's seeds
+        return _fail_usage(f"--seed: must be in 0..2**63-1, got {args.seed}")
     if args.max_new_tokens < 0 or args.top_k < 0:
         return _fail_usage("--max-new-tokens and --top-k must be >= 0")
     model, tokenizer, _ = load_trained(args.checkpoint)

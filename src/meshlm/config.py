@@ -356,8 +356,11 @@ def validate(cfg: Config, world_size: int) -> None:
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
 
-    if d.path is not None:
-        _require(Path(d.path).exists(), f"data.path: {d.path} does not exist")
+    if d.path is not None:  # ~ as the corpus reader and data.blend read it
+        _require(Path(d.path).expanduser().exists(), f"data.path: {d.path} does not exist")
+    for key, where in (("run.dir", cfg.run.dir), ("data.cache_dir", d.cache_dir)):
+        _require(where is None or not Path(where).expanduser().exists() or Path(where).expanduser().is_dir(),
+                 f"{key}: {where} exists and is not a directory")
     if d.blend is not None:  # [[weight, path], ...]: the shape, positive weights, existing paths
         from meshlm.data.blend import parse_blend
 

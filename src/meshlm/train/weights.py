@@ -88,9 +88,11 @@ def find_trained(path: str | Path, prefer: str = "final", key: str = "--checkpoi
 
 def _inference_config(config_file: Path) -> Config:
     """A saved run config, resolved for the layout it trained with, with what only training
-    needs removed: the corpus, the pretrained tokenizer and init_from may be gone by now."""
+    needs removed: the corpus or blend and init_from may be gone by now. The tokenizer is the
+    one saved beside the weights (a small pretrained one passes the checks only as itself)."""
     cfg = load_config(str(config_file))
-    cfg.data.path = cfg.data.tokenizer = cfg.model.init_from = None
+    cfg.data.path = cfg.data.blend = cfg.model.init_from = None
+    cfg.data.tokenizer = str(config_file.parent / TOKENIZER)
     p = cfg.parallel
     return resolve(cfg, world_size=p.dp * p.tp * p.cp * p.pp)
 

@@ -44,7 +44,9 @@ def import_hf(source: Path, run_dir: Path) -> Path:
     source = Path(source)
     if not (source / "tokenizer.json").is_file():
         raise ConfigError(f"--hf: {source} has no tokenizer.json (meshlm's final/ directory carries its tokenizer)")
-    cfg = resolve(load_config(None, [f"model.init_from={source}", f"run.dir={run_dir}"]))
+    cfg = load_config(None)  # paths set directly: as `key=value` text, "1000" would parse as a number
+    cfg.model.init_from, cfg.run.dir = str(source), str(run_dir)
+    cfg = resolve(cfg)
     reader = open_weights(source, cfg.model)
     model = Llama(cfg.model)
     with torch.no_grad():
