@@ -93,6 +93,42 @@ def test_the_simplest_layout_within_the_window_is_recommended():
     assert planner.recommend([fast, slow_plain]) == [fast, slow_plain]  # 10% is too much to give up
 
 
+@pytest.mark.parametrize("model,gpus,batch", [("llama3-8b", 16, 64), ("llama3-70b", 64, 256)])
+def test_every_layout_the_search_may_pick_and_none_it_must_not(model, gpus, batch):
+    """The enumeration's rules, one by one: every micro-batch size up to the largest that divides
+    the local batch; GPipe only where it holds no more than 1F1B (m <= pp); interleaving in whole
+    rounds (m % pp == 0) and within the chunk limit; no selective recompute under CP (ring
+    attention stores no scores), full recompute everywhere; ZeRO only where something is sharded."""
+    work = planner.workload(model, gpus, global_batch=batch)
+    layouts = planner.enumerate_layouts(work)
+    by_structure: dict = {}
+    for lay in layouts:
+        m = batch // (lay.dp * lay.micro_batch_size)
+        assert (lay.pp_schedule == "none") == (lay.pp == 1) and (lay.pp_virtual > 1) == (lay.pp_schedule == "interleaved")
+        assert lay.pp_schedule != "gpipe" or m <= lay.pp
+        assert lay.pp_schedule != "interleaved" or (m % lay.pp == 0 and lay.pp * lay.pp_virtual <= planner.MAX_CHUNKS)
+        assert not (lay.recompute == "selective" and lay.cp > 1) and (lay.zero == 0 or lay.dp * lay.cp > 1)
+        by_structure.setdefault((lay.dp, lay.tp, lay.pp, lay.cp), set()).add((lay.micro_batch_size, lay.recompute))
+    for (dp, tp, pp, cp), seen in by_structure.items():
+        local = batch // dp
+        sizes = {b for b in (1, 2, 4, 8, 16) if b <= planner.MAX_MICRO_BATCH and local % b == 0}
+        assert {b for b, _ in seen} == sizes, (dp, tp, pp, cp)
+        assert {r for _, r in seen} == ({"none", "full"} if cp > 1 else {"none", "selective", "full"})
+    gpipe = {(lay.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch_size) for lay in layouts if lay.pp_schedule == "gpipe"}
+    assert gpipe == {(lay.dp, lay.tp, lay.pp, lay.cp, lay.micro_batch_size) for lay in layouts
+                     if lay.pp_schedule == "1f1b" and batch // (lay.dp * lay.micro_batch_size) <= lay.pp}
+    assert gpipe and any(lay.pp == 2 for lay in layouts)
+    assert any(lay.micro_batch_size == planner.MAX_MICRO_BATCH for lay in layouts)
+
+
+def test_kv_heads_fewer_than_tp_are_replicated_so_such_tp_is_a_structure():
+    from dataclasses import replace
+
+    work = planner.workload("llama3-8b", 8)
+    two_kv_heads = replace(work, model=replace(work.model, n_kv_heads=2))
+    assert {tp for _, tp, _, _ in planner.structures(two_kv_heads)} == {1, 2, 4, 8}
+
+
 def test_the_search_returns_what_a_full_evaluation_does():
     work = planner.workload("1b", 4, global_batch=32)
     result = planner.plan(work, top=5)
@@ -330,6 +366,17 @@ def test_a_model_that_cannot_fit_exits_1_saying_what_it_needs(capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("meshlm: error: llama3-70b does not fit on 2 x h100-80gb")
     assert "GiB per GPU" in err and "needs at least 16 GPUs" in err
+    # the suggestion: a pipeline-free leanest layout without CP, and its bytes within the GPU's
+    suggestion = err.split("(e.g. ")[1]
+    assert " cp=1 " in suggestion and float(suggestion.split(": ")[-1].removesuffix(" GiB)")) <= 71.7
+    assert planner.describe(Layout(1, 2, 2, 1, 1, "none", 1, "1f1b")).startswith("dp=1 tp=2 pp=2 1f1b cp=1")
+
+
+def test_the_note_says_when_the_pick_is_not_the_fastest():
+    assert _plan("llama3-70b", 64).notes == ["#1 is the simplest layout within 3% of the fastest; #2 is 1.0% faster"]
+    result = _plan("llama3-8b", 8)
+    assert result.layouts[0].time.step_time_s == min(c.time.step_time_s for c in result.layouts)
+    assert result.notes == []
 
 
 @pytest.mark.parametrize("args,flag", [
