@@ -146,6 +146,13 @@ def test_cpu_peak_is_measured_on_the_first_steps_and_every_interval_and_carried_
         seen.append((meter.measured, meter.last_peak))
     assert seen == [(True, 4000), (True, 8000), (True, 12000), (False, 12000), (False, 12000), (True, 24000),
                     (False, 24000)]
+    resumed = PeakMemory(torch.device("cpu"), interval=3)  # a run resumed from step 4: its first two steps
+    measured = []
+    for step in range(5, 9):
+        with resumed.step((), step):
+            torch.ones(1000)
+        measured.append(resumed.measured)
+    assert measured == [True, True, False, False] and resumed.last_peak == 4000
 
 
 def _memory_json(capsys, *args: str) -> dict:

@@ -77,7 +77,8 @@ class TrainConfig:
     # Peak dense TFLOP/s of one device for MFU; None = look the device up in a table.
     peak_tflops: float | None = None
     # Measure each rank's peak memory (CPU: a dispatch-mode tracker counting live tensor bytes, on
-    # steps 1, 2 and every memory_interval-th step, as it costs step time; CUDA: every step, free).
+    # the first two steps a process runs and every memory_interval-th step, as it costs step time;
+    # CUDA: every step, free).
     track_memory: bool = True
     memory_interval: int = 100
     # CPU runs: glibc malloc keeps freed memory for the next step (train/host_memory.py).

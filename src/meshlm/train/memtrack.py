@@ -4,7 +4,8 @@ CPU a count of live tensor bytes (peak RSS is useless here: the allocator keeps 
 On CPU every aten op passes through a TorchDispatchMode that notes each new storage and a weak
 reference that subtracts its bytes when the storage dies. That costs Python time per op (up to
 half the step under ZeRO-3, whose resized storages must be re-summed), so on CPU the peak is
-measured on steps 1 and 2 and every `train.memory_interval`-th step, exact on those, and the
+measured on the first two steps a process runs (1 and 2, or the two after the step a run resumed
+from) and every `train.memory_interval`-th step, exact on those, and the
 other steps report the last measured value (`mem_measured` says which); `memory_interval=1`
 measures every step, `train.track_memory=false` none. On CUDA the allocator's statistics cost
 nothing and every step is measured.
@@ -129,10 +130,13 @@ class PeakMemory:
         self.interval = interval  # CPU: measure steps 1, 2 and every interval-th (see the module docstring)
         self.last_peak: int | None = None
         self.measured = False  # whether the last step was measured (else last_peak is an earlier step's)
+        self._first_step: int | None = None  # of this process: a resumed run's first is past 1
         self._cpu_tracker = LiveTensorBytes(track_resizes) if enabled and device.type == "cpu" else None
 
     def measures(self, step: int) -> bool:
-        return self.enabled and (self.device.type == "cuda" or step <= 2 or step % self.interval == 0)
+        if self._first_step is None:
+            self._first_step = step
+        return self.enabled and (self.device.type == "cuda" or step < self._first_step + 2 or step % self.interval == 0)
 
     def step(self, state_tensors: Iterable[torch.Tensor] = (), step: int = 1):
         """The scope of training step `step` (1-based): measured or not, by `measures(step)`."""
