@@ -304,7 +304,7 @@ def plain_pytorch_reference(cfg: Config, loader_cls: type[TokenLoader] = Unevenl
     def lr(step):
         if step < t.warmup_steps:
             return t.lr * (step + 1) / t.warmup_steps
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        progress = min(1.0, (step + 1 - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     grads, losses = None, []

@@ -31,12 +31,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio * lr` at `steps`.
 
-    `step` counts from 0; the first update uses lr/warmup rather than 0, so no step is wasted.
+    `step` counts from 0 (the update that makes step `step + 1`): the first update uses
+    lr/warmup rather than 0, so no step is wasted; the last warmup update is the only one at the
+    peak, and the last update of the run (step `steps - 1`) is the one at the floor.
     """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    progress = min(1.0, (step + 1 - cfg.warmup_steps) / decay_steps)
     min_lr = cfg.lr * cfg.min_lr_ratio
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
