@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target_fused
+from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target, softmax_minus_target_fused
 from meshlm.parallel.recompute import is_recomputed
 
 try:
@@ -70,7 +70,10 @@ def compile_loss_kernels(backend: str) -> ChunkKernels:
     def grad_in_logits_dtype(chunk, local, lse, scale, mine, in_place):
         return softmax_minus_target_fused(chunk, local, lse, scale, mine)
 
-    return ChunkKernels(_compiled(exp_sum_and_target, backend), _compiled(grad_in_logits_dtype, backend))
+    # Where the compiled code cannot run (the memory tracker's steps), the eager kernel, not the
+    # fused one run eagerly: that one allocates [rows, V] masks, and the step would measure them.
+    return ChunkKernels(_compiled(exp_sum_and_target, backend),
+                        _compiled(grad_in_logits_dtype, backend, eager=softmax_minus_target))
 
 
 def _check(backend: str) -> None:
@@ -78,15 +81,17 @@ def _check(backend: str) -> None:
         raise ValueError(f"unknown compile backend {backend!r} (known: {', '.join(BACKENDS)})")
 
 
-def _compiled(forward: Callable, backend: str) -> Callable:
+def _compiled(forward: Callable, backend: str, eager: Callable | None = None) -> Callable:
+    """`forward` compiled, and run as `eager` (default: `forward` itself) where dynamo cannot run."""
     compiled = torch.compile(forward, backend=backend, fullgraph=False)
+    eager = eager or forward
 
     def forward_compiled(*args, **kwargs):
         # Dynamo does not run under a TorchDispatchMode, and one call under it skips the code for
-        # good. The CPU memory tracker is one (train/memtrack.py): its measured steps (1, 2 and every
-        # train.memory_interval-th) run the blocks eagerly, so they measure eager memory.
+        # good. The CPU memory tracker is one (train/memtrack.py): its measured steps (the first
+        # two and every train.memory_interval-th) run eagerly, so they measure eager memory.
         if any_torch_dispatch_mode_on_stack():
-            return forward(*args, **kwargs)
+            return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
 
     return forward_compiled
