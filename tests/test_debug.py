@@ -114,6 +114,25 @@ def _one_rank_stalls(run_dir, stall_rank):
         return dog.fired.is_set()
 
 
+def _gpu_dumps(run_dir, reached: dict[int, int]):
+    """Timeout dumps as ranks on NCCL leave them: every record finished when its op was queued."""
+    (run_dir / "debug").mkdir(parents=True, exist_ok=True)
+    for rank, n in reached.items():
+        records = [{"seq": k, "op": "all_reduce", "axis": "cp+dp", "numel": 1, "dtype": "float64", "peer": None,
+                    "t_start": float(k), "t_end": k + 0.01} for k in range(n)]
+        (run_dir / "debug" / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "world_size": len(reached), "reason": "timeout", "time": 100.0, "step": 2, "phase": "batch",
+             "groups": {"cp+dp": sorted(reached)}, "records": records, "stacks": {}, "idle_s": 300}))
+
+
+def test_a_gpu_hang_is_attributed_from_how_far_each_rank_queued(tmp_path):
+    _gpu_dumps(tmp_path / "hang", {0: 6, 1: 5, 2: 6})
+    result = analyze(tmp_path / "hang")
+    assert (result["verdict"], result["ranks"], result["seq"], result["group"]) == ("hang", [1], 5, "cp+dp")
+    _gpu_dumps(tmp_path / "even", {0: 6, 1: 6})  # every rank queued as far: nothing to blame on one
+    assert analyze(tmp_path / "even")["verdict"] == "unknown"
+
+
 def test_the_first_step_a_process_runs_has_the_startup_limit_even_after_a_resume(tmp_path):
     progress = Progress()
     dog = Watchdog(Comm(ParallelContext(Layout())), progress, tmp_path, timeout_s=1, startup_timeout_s=9,
@@ -124,6 +143,8 @@ def test_the_first_step_a_process_runs_has_the_startup_limit_even_after_a_resume
     progress.step_done(41)
     progress.at("forward")
     assert dog.limit_s() == 1
+    progress.at("eval")  # held-out batches: no collective for a while, maybe a compile
+    assert dog.limit_s() == 9
 
 
 def test_watchdog_dumps_every_rank_and_the_analysis_names_the_stalled_one(tmp_path):

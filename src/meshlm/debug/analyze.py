@@ -113,6 +113,25 @@ def _stuck_groups(dumps: dict[int, dict]) -> list[tuple]:
     return sorted(out, key=lambda x: x[0])
 
 
+def _behind_groups(dumps: dict[int, dict]) -> list[tuple]:
+    """The same tuples, for dumps in which no rank is inside a collective: on a GPU every record is
+    finished once its op is queued (the stream waits, not the host, which blocks later, reading a
+    result). There a hang shows as a group whose members reached different numbers: those ahead
+    queued #k and their streams wait in it; those behind never issued it."""
+    out = []
+    for key, by_rank in _streams(dumps).items():
+        if key[0] != "group":
+            continue
+        reached = {m: _entered(by_rank, m) for m in _members(key)}  # -1: no record, or no dump
+        top = max(reached.values())
+        behind = [m for m, k in reached.items() if k < top]
+        if behind:
+            ahead = [m for m, k in reached.items() if k == top]
+            first = by_rank[ahead[0]][top]
+            out.append((first["t_start"], key, top, first["op"], ahead, behind))
+    return sorted(out, key=lambda x: x[0])
+
+
 def _where(dump: dict | None) -> str:
     """Where the rank's main thread was, e.g. 'in before_step (faults.py:52)': the innermost
     meshlm frame of the exception's traceback, or of the main thread's stack for a timeout."""
@@ -130,7 +149,7 @@ def _where(dump: dict | None) -> str:
 
 
 def find_hang(dumps: dict[int, dict]) -> dict | None:
-    stuck = _stuck_groups(dumps)
+    stuck = _stuck_groups(dumps) or _behind_groups(dumps)
     if not stuck:
         return None
     _, key, seq, op, waiters, absent = stuck[0]

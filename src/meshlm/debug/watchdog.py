@@ -28,8 +28,9 @@ from meshlm.debug.dumps import debug_dir, wait_for_peers, write_dump
 
 PEER_GRACE_S = 5.0  # how long a rank that dumped waits for the others' dumps before exiting
 # Phases where ranks wait on another's disk writes (a checkpoint, the final weights) without any
-# collective: they get the longer startup limit, as a big model's files take minutes.
-SLOW_PHASES = ("checkpoint", "gather")
+# collective, and evaluation (its held-out forwards reach no collective under data parallelism
+# until their final sum, and may compile again): the longer startup limit, as these take minutes.
+SLOW_PHASES = ("checkpoint", "gather", "eval")
 
 
 def backend_timeout(debug_cfg) -> timedelta:
