@@ -121,6 +121,21 @@ def test_generate_needs_nothing_of_the_training_data(single_cli_run, tmp_path):
     assert out.startswith("The ")
 
 
+def test_an_empty_prompt_starts_after_the_end_of_text_token():
+    """meshlm's BPE has it at id 0; a pretrained tokenizer anywhere (GPT-2's is 50256)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from meshlm.train.generate import start_ids
+
+    words = Tokenizer(WordLevel({"!": 0, "the": 1, "<|endoftext|>": 7}, unk_token="!"))
+    words.pre_tokenizer = Whitespace()
+    assert start_ids(words, "") == [7] and start_ids(words, "the") == [1]
+    no_end = Tokenizer(WordLevel({"!": 0, "the": 1}, unk_token="!"))
+    assert start_ids(no_end, "") == [0]
+
+
 def test_generate_continues_the_prompt(single_cli_run):
     run_dir, _ = single_cli_run
     out = run_meshlm("generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "12",

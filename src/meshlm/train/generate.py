@@ -9,6 +9,18 @@ from __future__ import annotations
 import torch
 
 
+def start_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids; an empty prompt starts where a document does, after the end-of-text token
+    the corpus separated documents with (id 0 in meshlm's BPE, not in a pretrained tokenizer's)."""
+    from meshlm.train.tokenizer import END_OF_TEXT_NAMES
+
+    ids = tokenizer.encode(prompt).ids
+    if ids:
+        return ids
+    found = (tokenizer.token_to_id(name) for name in END_OF_TEXT_NAMES)
+    return [next((i for i in found if i is not None), 0)]
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
            top_k: int | None = 40, seed: int = 0, max_context: int | None = None) -> str:
@@ -16,7 +28,7 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature
     if temperature < 0:
         raise ValueError("temperature must be >= 0 (0 = greedy)")
     device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt).ids or [0]
+    ids = start_ids(tokenizer, prompt)
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     max_context = max_context or model.cfg.max_seq_len
