@@ -62,6 +62,16 @@ def test_an_injected_fault_ends_the_job_with_a_verdict_naming_the_rank(corpus, t
     assert not (tmp_path / "final").exists()
 
 
+def test_a_desync_on_the_pipeline_axis_is_caught_at_its_step(corpus, tmp_path, capsys):
+    """Stage 1's share of the loss's sum over pp sent as int64 bytes: the stages differ in all
+    else, but not in their pipeline-axis collectives, which are compared across them."""
+    proc, _ = train(corpus, tmp_path, 2, "parallel.pp=2", "debug.fault=desync", "debug.fault_rank=1",
+                    "debug.fault_step=2")
+    assert proc.returncode == 1 and "meshlm: desync: at collective #3 on pp [0, 1]" in proc.stderr, proc.stderr[-2000:]
+    result = analyze_json(tmp_path, capsys)
+    assert (result["verdict"], result["group"], result["op"]) == ("desync", "pp", "all_reduce")
+
+
 def test_a_killed_rank_is_the_one_named(corpus, tmp_path, capsys):
     """Rank 1 killed: rank 0 finds its peer gone inside a shared-memory collective. That is a lost
     peer, not rank 0's own failure: the verdict is a crash of rank 1."""

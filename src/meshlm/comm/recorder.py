@@ -80,6 +80,9 @@ class FlightRecorder:
         # A running CRC of every op's (op, size, dtype), equal on ranks that do the same work: the
         # trainer compares them each step to catch a desync the backend let through (debug/fingerprint.py).
         self.fingerprint = 0
+        # The same over the collectives on the pipeline axis alone, which every stage of a pipeline
+        # makes alike (the loss's sum, the pipeline's checks): compared across the stages.
+        self.pipeline_fingerprint = 0
         # One anchor pair, so perf_counter stamps convert to wall-clock time comparable across ranks.
         self._anchor = (time.time(), time.perf_counter())
 
@@ -96,6 +99,8 @@ class FlightRecorder:
         self.records.append(record)
         self.last_event = record.t_start
         self.fingerprint = zlib.crc32(f"{op} {numel} {dtype}".encode(), self.fingerprint)
+        if axis == "pp" and op not in ("send", "recv"):  # a stage's sends depend on its place in the pipeline
+            self.pipeline_fingerprint = zlib.crc32(f"{op} {numel} {dtype}".encode(), self.pipeline_fingerprint)
         return record
 
     def finish(self, record: CommRecord) -> None:

@@ -9,8 +9,9 @@ the small all-gather every step already makes.
 Ranks that differ only in their tp, cp or dp coordinate do the same work: the same collectives,
 in the same order, with the same shapes (tensor-parallel shards are padded to equal sizes;
 ZeRO's flat shards too). So the fingerprint of each rank's collectives (op, size, dtype) in one
-training step must be equal across the ranks of one pipeline stage; pipeline stages differ and
-are not compared, and nor is evaluation (dp ranks take unequal numbers of held-out batches).
+training step must be equal across the ranks of one pipeline stage. Pipeline stages differ, but
+their collectives on the pipeline axis (the loss's sum, ...) do not: a second fingerprint of
+those alone is compared across the stages of each pipeline. Evaluation is not compared.
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ class Trainer:
         self.stragglers = StragglerDetector(cfg.debug.straggler_threshold, warn=self.metrics.print)
         self.nonfinite_skipped = 0
         self._same_work_ranks = ctx.layout.groups(("tp", "cp", "dp"))  # one pipeline stage each: desync check
+        self._pipelines = ctx.layout.groups("pp")  # their collectives on the pp axis: alike on every stage
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
         self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
@@ -184,7 +185,7 @@ class Trainer:
         t0 = time.perf_counter()
         blocked0 = self.comm.recorder.settle()
         # The step's own collectives only: evaluation gives dp ranks unequal batch counts.
-        self.comm.recorder.fingerprint = 0
+        self.comm.recorder.fingerprint = self.comm.recorder.pipeline_fingerprint = 0
         self.progress.at("batch")  # counting the step's target tokens: its first collective
         self.faults.before_step(self.step + 1)
         with self.memory.step(self.dp.state_tensors(), self.step + 1):
@@ -211,12 +212,15 @@ class Trainer:
         desync check (DesyncError on every rank alike)."""
         if self.ctx.world_size == 1:
             return peak, stop, None
+        recorder = self.comm.recorder
         mine = torch.tensor([-1.0 if peak is None else float(peak), float(stop), busy_s,
-                             float(self.comm.recorder.fingerprint), blocked_s], dtype=torch.float64, device=self.device)
-        every = torch.empty(self.ctx.world_size * 5, dtype=torch.float64, device=self.device)
+                             float(recorder.fingerprint), blocked_s, float(recorder.pipeline_fingerprint)],
+                            dtype=torch.float64, device=self.device)
+        every = torch.empty(self.ctx.world_size * len(mine), dtype=torch.float64, device=self.device)
         self.comm.all_gather(every, mine, "world")
-        every = every.view(-1, 5).tolist()
+        every = every.view(-1, len(mine)).tolist()
         check_fingerprints([row[3] for row in every], self._same_work_ranks, self.step + 1)
+        check_fingerprints([row[5] for row in every], self._pipelines, self.step + 1)
         ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
         # Communication the step did not hide behind computation, the ranks' mean: host time blocked
         # in collectives (gloo), or the time the GPU's streams stalled on them (NCCL; recorder.settle).
