@@ -133,6 +133,17 @@ def test_a_gpu_hang_is_attributed_from_how_far_each_rank_queued(tmp_path):
     assert analyze(tmp_path / "even")["verdict"] == "unknown"
 
 
+def test_a_restarted_rank_drops_its_dump_of_the_attempt_before(corpus, tmp_path):
+    from meshlm.debug.guard import RankGuard
+
+    cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2")
+    (tmp_path / "debug").mkdir()
+    for rank in (0, 1):
+        (tmp_path / "debug" / f"rank{rank}.json").write_text("{}")
+    with RankGuard(cfg, 1, 2):
+        assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == ["rank0.json"]  # the other's is its own
+
+
 def test_the_first_step_a_process_runs_has_the_startup_limit_even_after_a_resume(tmp_path):
     progress = Progress()
     dog = Watchdog(Comm(ParallelContext(Layout())), progress, tmp_path, timeout_s=1, startup_timeout_s=9,

@@ -52,6 +52,9 @@ class RankGuard:
         self.watchdog: Watchdog | None = None
 
     def __enter__(self) -> "RankGuard":
+        # A restarted rank's dump of the attempt before would be read as this attempt's (by the
+        # analysis, and by the peers waiting for every rank's dump): each rank drops its own.
+        (debug_dir(self.cfg.run.dir) / f"rank{self.rank}.json").unlink(missing_ok=True)
         return self
 
     def attach(self, trainer) -> None:
