@@ -80,6 +80,9 @@ CASES = {  # world, dp, keys
     "dp2-zero3-bf16-tied": (2, 2, ["parallel.dp=2", "parallel.zero=3", "train.dtype=bfloat16",
                                    "model.tie_embeddings=true"]),
     "dp-cp-zero3-fp32": (4, 2, ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3"]),
+    # every stage of a pipeline gathers its weights once per micro-batch, the first its embedding too
+    "dp2-zero3-bf16-x-pp2-gpipe": (4, 2, ["parallel.dp=2", "parallel.zero=3", "train.dtype=bfloat16", "parallel.pp=2",
+                                          "parallel.pp_schedule=gpipe"]),
 }
 
 

@@ -96,9 +96,9 @@ def data_parallel_bytes(work, lay, stage: int) -> dict[str, dict[str, float]]:
     `stage`, however many buckets carry them: per micro-batch ("forward", "backward") and once a
     step ("step"). Gradients are reduced in fp32, weights gathered in their dtype p. ZeRO-3
     gathers each unit before its forward and the blocks again before their backward: the root unit
-    (embeddings, final norm, head) stays gathered from forward to backward (parallel/fsdp.py).
-    Under a pipeline the first stage's embedding is gathered again for each forward in flight
-    (not counted here)."""
+    (embeddings, final norm, head) stays gathered from forward to backward (parallel/fsdp.py); a
+    first pipeline stage's, its embedding alone, is cut off after each forward and never gathered
+    for a backward. (Interleaved chunks gather more: not modelled.)"""
     sizes: dict[str, dict[str, float]] = {"forward": {}, "backward": {}, "step": {}}
     if lay.dp * lay.cp == 1:
         return sizes

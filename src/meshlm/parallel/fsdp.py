@@ -204,7 +204,11 @@ class FullyShardedDataParallel:
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_end()
-        self._gather(unit)
+        # A root of embedding tables alone (a pipeline's first stage) has nothing its backward
+        # reads (an embedding's gradient needs the indices, not the table): freed after an earlier
+        # micro-batch's backward, it is not gathered again for the next one's.
+        if not (unit is self.root and unit.tail == 0 and self.reshard_after_forward and not self._tail_used):
+            self._gather(unit)
         nxt = self._backward_next.get(id(unit))
         if self.prefetch and nxt is not None:
             self._gather(nxt, wait=False)
