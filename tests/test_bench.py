@@ -47,6 +47,22 @@ def test_bench_pp_json(capsys, monkeypatch, tmp_path):
     assert len(tuned()) == 2
 
 
+def test_ratio_quartiles_stay_within_the_pairs_measured():
+    from meshlm.bench.report import bench_row
+
+    row = bench_row("x", 2, "ref", [100.0, 200.0], [100.0, 100.0], 1, 1)
+    assert row["tokens_per_s_ratio"] == 1.5 and row["tokens_per_s_ratio_quartiles"] == [1.25, 1.75]
+
+
+@pytest.mark.parametrize("name,args", [("tp", ["--nproc", "1"]), ("pp", ["--batch", "3"]), ("cp", ["--nproc", "1"])])
+def test_bad_bench_arguments_are_one_line_on_stderr_and_nothing_on_stdout(capsys, name, args):
+    from meshlm.cli import main
+
+    assert main(["bench", name, *args, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"meshlm bench {name}: error: ") and err.count("\n") == 1
+
+
 def test_steal_fraction_reads_the_eighth_cpu_column():
     from meshlm.bench.report import steal_fraction
 

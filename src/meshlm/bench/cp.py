@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CP's KV rotation (set_rotate_method)")
     args = parser.parse_args(argv)
     if args.nproc < 2 or args.steps < 1 or args.warmup < 1 or args.batch < 1:
-        print("meshlm bench cp: error: --nproc >= 2, --steps >= 1, --warmup >= 1 and --batch >= 1", flush=True)
+        print("meshlm bench cp: error: --nproc >= 2, --steps >= 1, --warmup >= 1 and --batch >= 1", file=sys.stderr,
+              flush=True)
         return 2
     from meshlm.config import ConfigError
 
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_config(args.preset, args.seq, world, args.gqa)
     except ConfigError as e:
-        print(f"meshlm bench cp: error: {e}", flush=True)
+        print(f"meshlm bench cp: error: {e}", file=sys.stderr, flush=True)
         return 2
     before = cpu_times()
     rows = run_on_ranks(_bench_rank, vars(args), args.nproc)

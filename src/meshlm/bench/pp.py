@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     if args.nproc < 2 or args.pairs < 1 or args.warmup < 1 or args.microbatches < 1 or args.batch % args.microbatches:
         print("meshlm bench pp: error: need --nproc >= 2, --pairs >= 1, --warmup >= 1 and --batch divisible "
-              "by --microbatches", flush=True)
+              "by --microbatches", file=sys.stderr, flush=True)
         return 2
     from meshlm.config import ConfigError, load_config, resolve
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                        f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={VIRTUAL[kind]}",
                                        f"parallel.pp_microbatches={args.microbatches}"]), world_size=world)
     except ConfigError as e:
-        print(f"meshlm bench pp: error: {e}", flush=True)
+        print(f"meshlm bench pp: error: {e}", file=sys.stderr, flush=True)
         return 2
     run_and_emit(_bench_rank, {**vars(args), "schedules": schedules}, args.nproc, args.json)
     return 0

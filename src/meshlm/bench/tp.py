@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sp", choices=("both", "on", "off"), default="both")
     args = parser.parse_args(argv)
     if args.nproc < 2 or args.pairs < 1 or args.warmup < 1:
-        print("meshlm bench tp: error: --nproc >= 2, --pairs >= 1 and --warmup >= 1", flush=True)
+        print("meshlm bench tp: error: --nproc >= 2, --pairs >= 1 and --warmup >= 1", file=sys.stderr, flush=True)
         return 2
     from meshlm.config import ConfigError, load_config, resolve
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve(load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
                                    f"parallel.tp={world}", "parallel.sp=true"]), world_size=world)
     except ConfigError as e:
-        print(f"meshlm bench tp: error: {e}", flush=True)
+        print(f"meshlm bench tp: error: {e}", file=sys.stderr, flush=True)
         return 2
     params = {**vars(args), "sp_modes": {"both": [False, True], "on": [True], "off": [False]}[args.sp]}
     run_and_emit(_bench_rank, params, args.nproc, args.json)
