@@ -31,9 +31,9 @@ def test_single_process_run_writes_the_run_directory_contract(single_cli_run):
         ["memory: predicted", "memory: measured"]
 
 
-def start_node(corpus, run_dir, node_rank: int, port: int) -> subprocess.Popen:
+def start_node(corpus, run_dir, node_rank: int, port: int, *extra: str) -> subprocess.Popen:
     # Each node its own run.dir, as on machines that share no filesystem: so no checkpoints.
-    args = [*cli_train_args(corpus, run_dir, "parallel.dp=2", "checkpoint.interval=0"), "--nnodes", "2",
+    args = [*cli_train_args(corpus, run_dir, "parallel.dp=2", "checkpoint.interval=0", *extra), "--nnodes", "2",
             "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     return subprocess.Popen([sys.executable, "-m", "meshlm.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -69,6 +69,32 @@ def test_two_nodes_through_torchrun_follow_the_single_process_loss_curve_and_bot
         no_rank_left(run_dir)
 
 
+def test_a_signal_stops_two_nodes_that_share_no_run_dir_without_a_checkpoint(corpus, tmp_path):
+    """Without one run.dir there is nowhere to put a checkpoint's shards together: a SIGTERM to one
+    node's launcher stops both after the same step, saving nothing (a save hung global rank 0,
+    waiting for a shard written into the other node's directory), and both exit 0 saying so."""
+    import signal
+    import time
+
+    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
+    nodes = {r: start_node(corpus, dirs[r], r, port, "train.steps=400", "train.eval_interval=0") for r in dirs}
+    try:
+        deadline = time.monotonic() + 120
+        while not any((d / "metrics.jsonl").exists() and (d / "metrics.jsonl").read_text().count("\n") >= 2
+                      for d in dirs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        nodes[0].send_signal(signal.SIGTERM)
+        out = {r: node.communicate(timeout=90) for r, node in nodes.items()}
+    finally:
+        for node in nodes.values():
+            node.kill()
+    assert {r: node.returncode for r, node in nodes.items()} == {1: 0, 0: 0}, out
+    for r in dirs:
+        assert "no checkpoint (the nodes do not share run.dir), so the run cannot be continued" in out[r][0], out[r]
+        assert not (dirs[r] / "checkpoints").exists() and not (dirs[r] / "final").exists()
+        no_rank_left(dirs[r])
+
+
 def _meet_rank0(run_dirs, interval):
     """One rank per "node" (forked), each with its own run.dir from `run_dirs`."""
     import torch.distributed as dist
@@ -81,10 +107,10 @@ def _meet_rank0(run_dirs, interval):
                       MESHLM_LAUNCH_ID=f"launch{rank}")
     cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dirs[rank])), checkpoint=SimpleNamespace(interval=interval))
     try:
-        meet_rank0(cfg)
+        shared = meet_rank0(cfg)
     except ConfigError as e:
         return str(e)
-    return None
+    return shared
 
 
 def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_dir(tmp_path):
@@ -94,13 +120,13 @@ def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_di
     apart = [tmp_path / "a", tmp_path / "b"]
     for d in apart:
         d.mkdir()
-    assert run_ranks(_meet_rank0, 2, apart, 0) == [None, None]  # no checkpoints: separate run.dirs do
+    assert run_ranks(_meet_rank0, 2, apart, 0) == [False, False]  # no checkpoints: separate run.dirs do
     assert rank0_elsewhere(apart[0], "launch0") is None  # the launcher of rank 0
     assert rank0_elsewhere(apart[1], "launch1")["node_rank"] == 7  # the other: where rank 0 ran
     assert rank0_elsewhere(apart[1], "launch1")["run_dir"] == str(apart[0].resolve())
     errors = run_ranks(_meet_rank0, 2, apart, 100)  # a checkpoint would be split across the nodes
     assert errors[0] == errors[1] and errors[0].startswith("checkpoint.interval: rank 1 ") and "\n" not in errors[0]
-    assert run_ranks(_meet_rank0, 2, [tmp_path / "a"] * 2, 100) == [None, None]  # one shared run.dir
+    assert run_ranks(_meet_rank0, 2, [tmp_path / "a"] * 2, 100) == [True, True]  # one shared run.dir
     assert [p.name for p in tmp_path.glob("*/.rank0-probe-*")] == []  # the probes are gone
     assert json.loads((tmp_path / "a" / "rank0.json").read_text())["launch"] == "launch0"
 

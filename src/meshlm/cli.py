@@ -108,8 +108,12 @@ def cmd_train(args) -> int:
     if preempted:
         if interrupted:
             preempted["signal"] = "Ctrl-C"
-        print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
-              f"{preempted['checkpoint']}; run the same command again to continue")
+        if preempted["checkpoint"] is None:  # several nodes without a shared run.dir: nothing to continue from
+            print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; no checkpoint (the "
+                  f"nodes do not share run.dir), so the run cannot be continued")
+        else:
+            print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
+                  f"{preempted['checkpoint']}; run the same command again to continue")
         return 0
     if elsewhere is not None:  # rank 0's metrics, final/ and so the sample are on another node
         from meshlm.train.rank0_node import elsewhere_line

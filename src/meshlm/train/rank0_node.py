@@ -65,14 +65,15 @@ def several_nodes() -> bool:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # torchrun's number of nodes
 
 
-def meet_rank0(cfg) -> None:
+def meet_rank0(cfg) -> bool:
     """Every rank, after the process group is up (collective when the job spans several nodes; a
     single-node job does nothing): note where global rank 0 runs, and refuse a run.dir that
-    checkpoints would split across nodes (ConfigError)."""
+    checkpoints would split across nodes (ConfigError). Returns whether every rank sees global
+    rank 0's run.dir (where a checkpoint's shards all go)."""
     import torch.distributed as dist
 
     if not several_nodes():
-        return
+        return True
     run_dir, rank = Path(cfg.run.dir), dist.get_rank()
     rank0 = [_identity(run_dir) if rank == 0 else None]
     if rank == 0:
@@ -95,6 +96,7 @@ def meet_rank0(cfg) -> None:
             f"rank 0 ({info['run_dir']} on node {info['node_rank']}, host {info['host']}); every rank writes its "
             f"checkpoint shard into run.dir, so with checkpoints run.dir must be one directory all nodes share, "
             f"or set checkpoint.interval=0 (docs/debugging.md, Multi-node runs)")
+    return not blind
 
 
 def _identity(run_dir: Path) -> dict:

@@ -94,6 +94,7 @@ class Trainer:
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
         self.stopped_by: str | None = None  # the signal's name when fit() ended early on one
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
+        self.can_checkpoint = True  # False: the nodes do not share run.dir (train/rank0_node.py)
         self.pending_save = None  # a checkpoint.state.BackgroundSave in flight (checkpoint.async_save)
 
     # ------------------------------------------------------------------ setup
@@ -296,7 +297,7 @@ class Trainer:
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished
                 done.reported = True
             stop = result.stop
-            if self._checkpoint_due() or stop:  # the last one in the foreground: the run ends with it
+            if self._checkpoint_due() or (stop and self.can_checkpoint):  # the last in the foreground: the run ends with it
                 last = stop is not None or self.step == cfg.steps
                 row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
@@ -306,8 +307,9 @@ class Trainer:
             self.progress.step_done(self.step)
             if stop:
                 self.stopped_by = stop.name
-                self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); "
-                                   f"checkpoint {self.last_checkpoint.path}")
+                saved = (f"checkpoint {self.last_checkpoint.path}" if self.can_checkpoint and self.last_checkpoint
+                         else "no checkpoint: the nodes do not share run.dir")
+                self.metrics.print(f"stopped after step {self.step} ({self.stopped_by} on some rank); {saved}")
                 break
         self.wait_for_checkpoint()
         if self.ctx.world_size > 1:

@@ -89,9 +89,10 @@ def _layout_text(layout: dict) -> str:
     return " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero") if k in layout)
 
 
-def train_rank(cfg: Config, guard=None) -> list[dict]:
+def train_rank(cfg: Config, guard=None, can_checkpoint: bool = True) -> list[dict]:
     """Train on this rank (process group, if any, already initialised); rank 0 saves the result.
-    A SIGTERM/SIGINT stops after the current step with a checkpoint (train/preemption.py).
+    A SIGTERM/SIGINT stops after the current step with a checkpoint (train/preemption.py), unless
+    `can_checkpoint` is False (nodes that do not share run.dir: shards would land apart).
     `guard` (a debug.guard.RankGuard) watches the trainer once it exists."""
     from meshlm.train.preemption import StopSignals
 
@@ -101,21 +102,27 @@ def train_rank(cfg: Config, guard=None) -> list[dict]:
     # The launcher prepared the data before starting ranks, so this is a cache hit.
     data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda *a, **k: None)
     run_dir = Path(cfg.run.dir)
-    if ctx.rank == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         (run_dir / PREEMPTED).unlink(missing_ok=True)
     with StopSignals(cfg.checkpoint.stop_timeout_s) as signals:
         trainer = Trainer(cfg, ctx, data)
         if guard is not None:
             guard.attach(trainer)
         trainer.stop_signals = signals
+        trainer.can_checkpoint = can_checkpoint
         start_state(trainer)
         predicted = _log_predicted_memory(trainer)
         rows = trainer.fit()
         _log_measured_memory(trainer, rows, predicted)
     if trainer.stopped_by is not None:  # not finished: no final weights; the checkpoint is the result
-        if ctx.rank == 0:
-            (run_dir / PREEMPTED).write_text(json.dumps({"step": trainer.step, "signal": trainer.stopped_by,
-                                                         "checkpoint": str(trainer.last_checkpoint.path)}))
+        # Each node's launcher reads it in its own run.dir (nodes may not share one): written by
+        # every node's first rank, the same content, renamed into place.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            note = run_dir / f".{PREEMPTED}.{os.getpid()}"
+            note.write_text(json.dumps({"step": trainer.step, "signal": trainer.stopped_by,
+                                        "checkpoint": str(trainer.last_checkpoint.path)
+                                        if trainer.last_checkpoint else None}))
+            os.replace(note, run_dir / PREEMPTED)
         trainer.metrics.close()
         return rows
     state = trainer.full_state_dict()  # collective for sharded layouts: every rank takes part
@@ -158,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
     init_process_group(backend, backend_timeout(cfg.debug))
     try:
-        meet_rank0(cfg)  # several nodes: note where global rank 0 runs, for the launchers
+        shared_run_dir = meet_rank0(cfg)  # several nodes: note where global rank 0 runs, for the launchers
         with RankGuard(cfg, dist.get_rank(), world_size) as guard:  # a failure: dump, report, exit 1
-            train_rank(cfg, guard)
+            train_rank(cfg, guard, can_checkpoint=shared_run_dir)
             # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
             # in gloo's destructor ("terminate called without an active exception", seen once in CI).
             dist.barrier()
