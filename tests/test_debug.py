@@ -125,6 +125,16 @@ def _gpu_dumps(run_dir, reached: dict[int, int]):
              "groups": {"cp+dp": sorted(reached)}, "records": records, "stacks": {}, "idle_s": 300}))
 
 
+def test_a_communication_log_cut_off_mid_line_is_read_up_to_the_cut(tmp_path):
+    (tmp_path / "logs").mkdir()
+    whole = json.dumps({"seq": 0, "op": "all_reduce", "axis": "world", "numel": 1, "dtype": "float32",
+                        "peer": None, "t_start": 0.0, "t_end": 0.1})
+    (tmp_path / "logs" / "comm_rank0.jsonl").write_text(whole + "\n\n" + whole.replace('"seq": 0', '"seq": 1') + "\n")
+    (tmp_path / "logs" / "comm_rank1.jsonl").write_text(whole + "\n" + '{"seq": 1, "op": "all_re')  # killed writing
+    result = analyze(tmp_path)
+    assert result["verdict"] == "ok", result["line"]
+
+
 def test_a_gpu_hang_is_attributed_from_how_far_each_rank_queued(tmp_path):
     _gpu_dumps(tmp_path / "hang", {0: 6, 1: 5, 2: 6})
     result = analyze(tmp_path / "hang")

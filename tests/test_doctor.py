@@ -54,6 +54,16 @@ def _no_collective(monkeypatch):
     monkeypatch.setattr(doctor, "check_collective", lambda nranks, backend: Check("collective", "ok", "stubbed"))
 
 
+@pytest.mark.parametrize("value", ["abc", "99999"])
+def test_a_master_port_that_is_no_port_is_one_line_and_exit_2(monkeypatch, capsys, value):
+    from meshlm.cli import main
+
+    monkeypatch.setenv("MASTER_PORT", value)
+    assert main(["doctor", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"meshlm: error: MASTER_PORT: must be a port in 1..65535, got '{value}'"
+
+
 def test_a_port_in_use_fails_with_what_to_do_and_exit_1(monkeypatch, capsys):
     _no_collective(monkeypatch)
     with _listening_socket() as taken:

@@ -213,6 +213,12 @@ def test_memory_bad_input_is_one_line_exit_2(capsys):
     assert main(["memory", "--device-memory", "lots", "model.preset=debug"]) == 2
     assert "--device-memory" in capsys.readouterr().err
     assert main(["memory", "parallel.tp=3", "model.preset=debug"]) == 2
+    capsys.readouterr()
+    for args, flag in ((["--device-memory", "0GiB"], "--device-memory: must be more than 0"),
+                       (["--plot", "/no/such/dir/x.png"], "--plot: /no/such/dir is not a directory")):
+        assert main(["memory", *args, "model.preset=debug"]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and err.count("\n") == 1
 
 
 def test_micro_batches_in_flight_come_from_the_schedule(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 from meshlm.analysis.memory import RANK_FIELDS, MemoryReport, predict, rank_points
 from meshlm.config import Config, ConfigError, load_config, resolve
@@ -26,7 +27,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"--device-memory: expected a size such as 80GiB or 40GB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ConfigError(f"--device-memory: must be more than 0 bytes, got {text!r}")
+    return size
 
 
 def visible_device_memory() -> int | None:
@@ -154,6 +158,8 @@ def run(args) -> int:
     backend = args.backend
     cfg = layout_config(args.config, args.overrides)
     capacity = parse_bytes(args.device_memory) if args.device_memory else visible_device_memory()
+    if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
+        raise ConfigError(f"--plot: {Path(args.plot).parent} is not a directory")
     report = predict(cfg, backend)
     fits = capacity is None or report.peak_bytes <= capacity
     advice = [] if fits else suggestions(cfg, capacity, backend)

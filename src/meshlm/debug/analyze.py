@@ -234,7 +234,12 @@ def analyze_finished(run_dir: Path) -> dict:
                 "line": f"nothing to analyze: no dumps in {run_dir / 'debug'} and no recorder files in {run_dir / 'logs'}"}
     dumps = {}
     for f in files:
-        records = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        records = []
+        for line in filter(str.strip, f.read_text().splitlines()):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut off as the rank was killed: what came before stands
+                break
         rank = int(f.stem.removeprefix("comm_rank"))
         dumps[rank] = {"rank": rank, "records": records,
                        "groups": _groups_from_config(run_dir, rank, records, len(files))}

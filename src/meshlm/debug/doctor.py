@@ -293,6 +293,9 @@ def run(args) -> int:
         raise ConfigError(f"--nproc: must be >= 1, got {args.nproc}")
     if args.port is not None and not 0 < args.port < 65536:
         raise ConfigError(f"--port: must be in 1..65535, got {args.port}")
+    env_port = os.environ.get("MASTER_PORT")  # what torchrun and the ranks would use without --port
+    if args.port is None and env_port is not None and not (env_port.isdigit() and 0 < int(env_port) < 65536):
+        raise ConfigError(f"MASTER_PORT: must be a port in 1..65535, got {env_port!r}")
     checks = run_checks(args.nproc, args.backend, args.port)
     ok = all(c.status != "fail" for c in checks)
     if args.json:
