@@ -199,7 +199,8 @@ def test_the_boundary_tensors_held_at_each_op_are_the_models(tmp_path, world, ex
     on gloo until a message from their receiver shows they were received (else to reduce_grads),
     sent outputs past their backward (the phase windows see these only where they exceed a tenth
     of a window)."""
-    from meshlm.analysis.memory_terms import boundary_bytes, boundary_held_bytes
+    from meshlm.analysis.memory_schedule import boundary_held_bytes
+    from meshlm.analysis.memory_terms import boundary_bytes
 
     corpus = write_offline_corpus(tmp_path / "corpus")
     cfg = small_cfg(corpus, tmp_path / "run", world, *SEQ, *extra)

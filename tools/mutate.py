@@ -150,6 +150,8 @@ MODULES = {
     # paper, Korthikanti et al.).
     "memory": ("src/meshlm/analysis/memory.py", ["tests/test_memory_phases.py", "tests/test_memory.py",
                                                  "tests/test_memory_published.py"]),
+    "memory_schedule": ("src/meshlm/analysis/memory_schedule.py", ["tests/test_memory_phases.py", "tests/test_memory.py",
+                                                                   "tests/test_memory_published.py"]),
     "memory_terms": ("src/meshlm/analysis/memory_terms.py", ["tests/test_memory_phases.py", "tests/test_memory.py",
                                                              "tests/test_memory_published.py"]),
     # The pipeline simulator: the schedules' published bubbles, the engine's semantics, and the

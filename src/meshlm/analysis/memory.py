@@ -39,14 +39,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from meshlm.analysis.memory_schedule import boundary_held_bytes, compute_program
+from meshlm.analysis.memory_schedule import micro_batches_in_flight  # noqa: F401 (API)
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
-                                          block_weight_copy_bytes, boundary_bytes, boundary_held_bytes,
-                                          chunk_saved_bytes, compute_program,
+                                          block_weight_copy_bytes, boundary_bytes, chunk_saved_bytes,
                                           deferred_inputs_bytes, deferred_wgrad_bytes, engine_state,
                                           head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
-from meshlm.analysis.memory_terms import micro_batches_in_flight, stage_layers  # noqa: F401 (API)
+from meshlm.analysis.memory_terms import stage_layers  # noqa: F401 (API)
 from meshlm.config import Config
 
 BACKENDS = ("nccl", "gloo", "shm")
