@@ -12,13 +12,10 @@ import torch
 def start_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt's ids; an empty prompt starts where a document does, after the end-of-text token
     the corpus separated documents with (id 0 in meshlm's BPE, not in a pretrained tokenizer's)."""
-    from meshlm.train.tokenizer import END_OF_TEXT_NAMES
+    from meshlm.train.tokenizer import known_end_token
 
-    ids = tokenizer.encode(prompt).ids
-    if ids:
-        return ids
-    found = (tokenizer.token_to_id(name) for name in END_OF_TEXT_NAMES)
-    return [next((i for i in found if i is not None), 0)]
+    end = known_end_token(tokenizer)[1]
+    return tokenizer.encode(prompt).ids or [0 if end is None else end]
 
 
 @torch.no_grad()

@@ -67,6 +67,14 @@ TOKENIZER_FILE = "tokenizer.json"
 END_OF_TEXT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 
 
+def known_end_token(tokenizer: Tokenizer) -> tuple[str | None, int | None]:
+    """(name, id) of the first of END_OF_TEXT_NAMES `tokenizer` has, or (None, None)."""
+    for name in END_OF_TEXT_NAMES:
+        if tokenizer.token_to_id(name) is not None:
+            return name, tokenizer.token_to_id(name)
+    return None, None
+
+
 @dataclass(frozen=True)
 class PretrainedTokenizer:
     """A tokenizer the data is encoded with instead of a trained BPE (`data.tokenizer`)."""

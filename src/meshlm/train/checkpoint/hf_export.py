@@ -27,7 +27,7 @@ import torch
 from meshlm.config import ConfigError, ModelConfig, load_config
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
 from meshlm.train.checkpoint.store import write_safetensors
-from meshlm.train.tokenizer import END_OF_TEXT_NAMES, load_tokenizer
+from meshlm.train.tokenizer import known_end_token, load_tokenizer
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -112,11 +112,7 @@ def llama_config(m: ModelConfig, end_id: int | None) -> dict:
 def end_of_text(tokenizer_path: Path) -> tuple[str | None, int | None]:
     """The document separator meshlm trained with (the first known end-of-text name the
     tokenizer has); it is both eos and bos, as in GPT-2: meshlm prepends no BOS."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    for name in END_OF_TEXT_NAMES:
-        if tokenizer.token_to_id(name) is not None:
-            return name, tokenizer.token_to_id(name)
-    return None, None
+    return known_end_token(load_tokenizer(tokenizer_path))
 
 
 def tokenizer_config(end_token: str | None, max_len: int) -> dict:
