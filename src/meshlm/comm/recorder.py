@@ -98,9 +98,10 @@ class FlightRecorder:
         record = CommRecord(seq, op, axis, group_size, peer, dtype, numel, nbytes, bytes_sent, bytes_recv, async_op)
         self.records.append(record)
         self.last_event = record.t_start
-        self.fingerprint = zlib.crc32(f"{op} {numel} {dtype}".encode(), self.fingerprint)
+        signature = f"{op} {numel} {dtype}".encode()
+        self.fingerprint = zlib.crc32(signature, self.fingerprint)
         if axis == "pp" and op not in ("send", "recv"):  # a stage's sends depend on its place in the pipeline
-            self.pipeline_fingerprint = zlib.crc32(f"{op} {numel} {dtype}".encode(), self.pipeline_fingerprint)
+            self.pipeline_fingerprint = zlib.crc32(signature, self.pipeline_fingerprint)
         return record
 
     def finish(self, record: CommRecord) -> None:

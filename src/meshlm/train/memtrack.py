@@ -134,12 +134,13 @@ class PeakMemory:
         self._cpu_tracker = LiveTensorBytes(track_resizes) if enabled and device.type == "cpu" else None
 
     def measures(self, step: int) -> bool:
-        if self._first_step is None:
-            self._first_step = step
-        return self.enabled and (self.device.type == "cuda" or step < self._first_step + 2 or step % self.interval == 0)
+        first = step if self._first_step is None else self._first_step
+        return self.enabled and (self.device.type == "cuda" or step < first + 2 or step % self.interval == 0)
 
     def step(self, state_tensors: Iterable[torch.Tensor] = (), step: int = 1):
         """The scope of training step `step` (1-based): measured or not, by `measures(step)`."""
+        if self._first_step is None:
+            self._first_step = step
         self.measured = self.measures(step)
         return _StepScope(self, state_tensors)
 
