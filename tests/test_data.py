@@ -285,6 +285,16 @@ def test_each_epoch_visits_every_window_once():
     assert sorted(first_epoch.tolist()) == list(range(0, 600, seq_len))
 
 
+def test_the_window_order_is_numpys_permutation_held_in_four_bytes_a_window():
+    """The order is rng.permutation's (the documented spec, so recorded runs replay) while the loader
+    holds int32 ids: at a trillion tokens a permutation of int64 would be 4 GB a rank."""
+    loader = TokenLoader(counting_stream(10 * 1001 + 1), 10, 7, seed=5)
+    for epoch in (0, 1):
+        expected = np.random.default_rng([5, epoch]).permutation(1001)
+        assert np.array_equal(loader.window_ids(epoch * 1001, 1001), expected)
+        assert loader._permutation(epoch).nbytes == 4 * 1001
+
+
 def test_state_dict_resumes_exactly():
     tokens = counting_stream(3000)
     run = TokenLoader(tokens, 8, 4, seed=9)
