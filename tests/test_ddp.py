@@ -295,6 +295,46 @@ def test_zero_bf16_reduces_in_fp32_and_its_bucket_size_changes_no_bit(stage):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _widened_copies_rank(kind):
+    """The most fp32 copies of whole gradient buckets alive at once during a bf16 backward (the
+    copies a bf16 buffer is reduced in fp32 through)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = debug_model()
+    comm = comm_here()
+    dp = (DDP(model, comm, TRAIN, bucket_bytes=16 * 1024, precision=BF16) if kind == "ddp"
+          else ZeroDataParallel(model, comm, TRAIN, stage=1, bucket_bytes=16 * 1024, precision=BF16))
+    bucket_sizes = {b.numel for b in dp.layout.buckets}
+    count = {"alive": 0, "most": 0}
+
+    class WidenedBuckets(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and out.dtype == torch.float32
+                    and args[0].dtype == torch.bfloat16 and out.numel() in bucket_sizes):
+                count["alive"] += 1
+                count["most"] = max(count["most"], count["alive"])
+                weakref.finalize(out.untyped_storage(), lambda: count.update(alive=count["alive"] - 1))
+            return out
+
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    with WidenedBuckets():
+        (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+        dp.finish_backward()
+    return len(dp.layout.buckets), count["most"], count["alive"]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1"])
+def test_a_bf16_buffer_is_reduced_through_one_fp32_bucket_copy_at_a_time(kind):
+    """Each bucket is widened to fp32 for its reduction; the copy is dropped once its sum is copied
+    back, before the next bucket is widened. Kept to the end of backward, every bucket's copy would
+    live at once: 4 bytes a parameter (the memory model counts one bucket's)."""
+    for buckets, most, left in run_ranks(_widened_copies_rank, 2, kind, timeout=60):
+        assert buckets >= 5 and most == 1 and left == 0
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 
@@ -316,6 +356,28 @@ def _bf16_rank():
     # one AdamW step of lr 1e-3 from the masters the parameters started as (plus bf16 rounding)
     assert all((p.detach().float() - before[n].float()).abs().max() <= 1e-2 for n, p in model.named_parameters())
     return param_dtypes, reduce_dtypes, dp.full_grads(), {v.dtype for v in masters.values()}
+
+
+def _initial_masters_rank(kind):
+    model = debug_model()
+    initial = {name: t.clone() for name, t in model.state_dict().items()}
+    comm = comm_here()
+    if kind == "ddp":
+        dp = DDP(model, comm, TRAIN, bucket_bytes=16 * 1024, precision=BF16)
+    elif kind == "zero3":
+        dp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock), precision=BF16)
+    else:
+        dp = ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), bucket_bytes=16 * 1024, precision=BF16)
+    masters = dp.full_state_dict()
+    return [name for name, value in initial.items() if not torch.equal(masters[name], value)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2", "zero3"])
+def test_bf16_masters_start_at_the_fp32_initial_values_not_their_rounding(kind):
+    """The fp32 masters take the initial weights before the parameters are cast to bf16, in every
+    engine, so every layout starts from the same values (and from the fp32 run's)."""
+    for differing in run_ranks(_initial_masters_rank, 3, kind, timeout=60):
+        assert differing == []
 
 
 def test_bf16_parameters_fp32_reduction_and_fp32_master():

@@ -56,9 +56,6 @@ class DDP:
         self.precision = precision
         self.device = self.ctx.device
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if precision.enabled:
-            for _, p in named:
-                p.data = p.data.to(precision.param_dtype)
         itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
         self.layout = FlatLayout(list(reversed(named)), bucket_bytes, align=self._align(), itemsize=itemsize)
         self._sync = True
@@ -88,10 +85,11 @@ class DDP:
         self.grad_buffer = None  # allocated by the step's first gradient, freed by zero_grad
         # fp32 runs update the parameters themselves; bf16 runs keep an fp32 master copy.
         self.master = None
-        if self.precision.enabled:
+        if self.precision.enabled:  # the masters take the initial values before they are rounded
             self.master = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
             for s in self.layout.slots:
                 self.master[s.start: s.end].copy_(s.param.detach().reshape(-1))
+                s.param.data = s.param.data.to(self.precision.param_dtype)
 
     def _grad_storage(self) -> torch.Tensor:
         """The flat gradient buffer, allocated on the first gradient of a step and freed by
@@ -186,9 +184,24 @@ class DDP:
         if view.dtype == self.precision.reduce_dtype:
             self._pending.append((self.comm.all_reduce(view, self.axes, async_op=True), None))
         else:
+            self._finish_pending()  # one widened copy at a time (see there)
             wide = view.to(self.precision.reduce_dtype)
             self._pending.append((self.comm.all_reduce(wide, self.axes, async_op=True),
                                   lambda view=view, wide=wide: view.copy_(wide)))
+
+    def _finish_pending(self) -> None:
+        """Wait for the reductions in flight, in launch order, and copy back those that were widened.
+
+        A bf16 buffer is reduced in fp32 through a widened copy of each bucket. Called before a
+        bucket is widened, it keeps one such copy alive at a time; left to `finish_backward`,
+        every bucket's copy would be alive at the end of backward: 4 bytes per parameter beside
+        the buffer's 2. The wait costs overlap only where it blocks (gloo: the next bucket's
+        gradients are not computed while the previous one is still on the wire)."""
+        for handle, done in self._pending:
+            handle.wait()
+            if done is not None:
+                done()
+        self._pending.clear()
 
     def finish_backward(self) -> None:
         """Launch the buckets still waiting (unused parameters), then wait for every reduction."""
@@ -203,11 +216,7 @@ class DDP:
         missing = self.tracker.flush()
         if first:
             self.unused_parameters = missing
-        for handle, done in self._pending:
-            handle.wait()
-            if done is not None:
-                done()
-        self._pending.clear()
+        self._finish_pending()
         self.tracker.reset()
 
     # ------------------------------------------------------------------ step

@@ -83,20 +83,20 @@ class ZeroDataParallel(DDP):
 
     def _setup_buffers(self) -> None:
         dtype, numel = self.precision.param_dtype, self.layout.numel
+        self._offsets = self._shard_offsets()
+        self.master = None  # fp32: the parameter buffer's own slices are the master weights
+        if self.precision.enabled:  # the masters take the initial values before they are rounded
+            self.master = torch.zeros(self._offsets[-1], dtype=torch.float32, device=self.device)
+            for b, seg in self.layout.shard_segments(self.rank, self.n):
+                at = self._offsets[b.index] + seg.lo - b.shard(self.rank, self.n)[0]
+                self.master[at: at + seg.hi - seg.lo].copy_(seg.slot.param.detach().reshape(-1)[seg.p_lo: seg.p_hi])
         self.param_buffer = torch.zeros(numel, dtype=dtype, device=self.device)
         point_params_into(self.param_buffer, self.layout.slots)
-        self._offsets = self._shard_offsets()
-        shard_numel = self._offsets[-1]
         self.grad_buffer = None  # stage 1: the full gradient buffer, allocated in backward
         self.grad_shard = None  # stage 2: this rank's reduced slices, allocated in backward
         if self.stage == 2:
             self._staging: dict[int, torch.Tensor] = {}  # bucket -> full bucket gradients, while in flight
             self._end_queued = False
-        self.master = None  # fp32: the parameter buffer's own slices are the master weights
-        if self.precision.enabled:
-            self.master = torch.empty(shard_numel, dtype=torch.float32, device=self.device)
-            for b in self.layout.buckets:
-                self._my_slice(self.master, b).copy_(self.param_buffer[slice(*b.shard(self.rank, self.n))])
 
     def _my_slice(self, shard_buffer: torch.Tensor, bucket) -> torch.Tensor:
         """This rank's slice of `bucket` inside a shard-sized buffer."""
@@ -163,6 +163,7 @@ class ZeroDataParallel(DDP):
             if view.dtype == self.precision.reduce_dtype:  # in place: my slice receives the sum
                 self._pending.append((self.comm.reduce_scatter(mine, view, self.axes, async_op=True), None))
             else:
+                self._finish_pending()  # one widened copy at a time (DDP._finish_pending)
                 wide = view.to(self.precision.reduce_dtype)
                 out = wide[lo - b.start: hi - b.start]
                 self._pending.append((self.comm.reduce_scatter(out, wide, self.axes, async_op=True),
