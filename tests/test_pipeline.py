@@ -147,6 +147,46 @@ def test_data_parallel_times_pipeline_equals_single_process(corpus, tmp_path, tm
     assert sum(r["defers"] for r in ranks) == (4 if virtual == 2 else 2)
 
 
+def _rank_with_receives_reported_on_arrival(corpus, run_dir, world_size, extra):
+    """NCCL's completion semantics on gloo: a receive reports itself complete once its data is there
+    (gloo's reports nothing before it is waited), so owed weight gradients are flushed late, where
+    NCCL would flush them: possibly not before the rank's last backward."""
+    from meshlm.parallel.pipeline import engine
+    from meshlm.parallel.pipeline.schedules import BACKWARD, FORWARD, RECV_ACT, RECV_GRAD
+
+    def arrived(ins, recv_handle):
+        if ins.op not in (FORWARD, BACKWARD):
+            return False
+        handle = recv_handle.get((RECV_ACT if ins.op == FORWARD else RECV_GRAD, ins.chunk, ins.microbatch))
+        if handle is not None:
+            handle.wait()
+        return True
+
+    engine.PipelineEngine._input_ready = staticmethod(arrived)
+    return _rank(corpus, run_dir, world_size, extra)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_weight_gradients_owed_at_the_last_backward_are_in_the_data_parallel_reduction(
+        corpus, tmp_path, tmp_path_factory, monkeypatch, zero):
+    """Interleaved, pp rank 0's last backward is chunk 0's (it defers nothing) and syncs: the
+    weight gradients chunk 1 still owes must be in DDP's buckets before it, not added after the
+    buckets went on the wire (wrong gradients, different on each dp replica). On gloo's rings: the
+    shared-memory all-reduce starts at its wait, which would hide a bucket launched too early."""
+    ref = reference(corpus, tmp_path_factory)
+    monkeypatch.setenv("MESHLM_SHM_DISABLE", "1")
+    extra = ["parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
+             f"parallel.zero={zero}"]
+    ranks = run_ranks(_rank_with_receives_reported_on_arrival, 4, corpus, tmp_path, 4, extra, timeout=180)
+    if zero == 0:
+        assert_matches(ref, ranks)
+    else:  # ZeRO-1's gradients are sharded: the losses and the weights after three steps
+        for got in ranks:
+            assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+            for name, value in got["params"].items():
+                assert (value - ref["params"][name]).abs().max() <= 1e-5, name
+
+
 def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_path, tmp_path_factory):
     tied = ("model.tie_embeddings=true",)
     ref = reference(corpus, tmp_path_factory, *tied)

@@ -58,6 +58,31 @@ def test_deferred_weight_gradients_shorten_the_drain_by_the_last_weight_half(kin
     assert uniform == simulate_schedule(kind, 2, 8).step_time - (1 if kind == "1f1b" else 0)
 
 
+@pytest.mark.parametrize("pp,v", [(2, 2), (4, 2), (2, 3)])
+def test_owed_weight_gradients_run_before_the_ranks_last_backward(pp, v):
+    """Interleaved, rank 0's last backward is chunk 0's, which defers nothing and syncs the
+    data-parallel reduction: the engine flushes what later chunks owe before it, and so does the
+    simulator, even where no input is late (rank 0 is the slow one: its gradients arrive early)."""
+    slow_first = OpCosts(forward=[2.0] + [1.0] * (pp - 1), backward=[4.0] + [1.0] * (pp - 1), weight_fraction=0.5)
+    result = simulate_schedule("interleaved", pp, 2 * pp, v, costs=slow_first)
+    spans = [s for s in result.spans if s.rank == 0]
+    last_backward = max((s for s in spans if s.op == "backward"), key=lambda s: s.start)
+    weights = [s for s in spans if s.op == "weight"]
+    assert weights and all(s.end <= last_backward.start for s in weights)
+
+
+def test_a_flush_fills_a_wait_in_simulated_time_not_in_the_order_ranks_are_simulated():
+    """Interleaved pp=2, m=2, v=2, F=1, B=2 (dgrad 1 + wgrad 1 where deferred). Rank 0 ends its
+    chunk-1 backwards at 9 (the last deferred, owing 1 tick); its next op, chunk 0's backward of
+    micro-batch 0, needs rank 1's gradient, made 8-10: the flush fills 9-10 and the drain ends at
+    14, a tick before the plain backward's 15. (The simulator once flushed wherever the sender had
+    not been simulated that far yet, whatever the simulated times: 15, deferral gained nothing.)"""
+    result = simulate_schedule("interleaved", 2, 2, 2, costs=OpCosts(weight_fraction=0.5))
+    assert simulate_schedule("interleaved", 2, 2, 2).step_time == 15
+    assert result.step_time == 14
+    assert [(s.start, s.end) for s in result.spans if s.rank == 0 and s.op == "weight"] == [(9, 10)]
+
+
 def test_cli_prints_bubble_step_time_and_peak_in_flight(capsys):
     assert main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out

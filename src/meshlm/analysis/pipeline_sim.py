@@ -151,6 +151,8 @@ def simulate(schedules: list[list[Instruction]], shape: PipelineShape, costs: Op
     # Each gradient-sending chunk's last backward defers its weight gradients (engine.py).
     deferred = [{(c, mb) for c, mb in {i.chunk: i.microbatch for i in schedules[r] if i.op == BACKWARD}.items()
                  if shape.stage(r, c) > 0} if costs.weight_fraction > 0 else set() for r in range(pp)]
+    last_backward = [max((i for i, item in enumerate(program) if not isinstance(item, list) and item.op == BACKWARD),
+                         default=-1) for program in programs]
     owed = [0.0] * pp  # weight-gradient time a rank still has to spend
     owed_mb = [(-1, 0)] * pp
 
@@ -186,14 +188,16 @@ def simulate(schedules: list[list[Instruction]], shape: PipelineShape, costs: Op
                             batch_of[rank][message] = receives
                         my_sends[rank] += [message for side, message in messages if side == "send"]
                 elif item.is_compute:
+                    if pc[rank] == last_backward[rank]:
+                        flush(rank)  # the engine flushes before its last (syncing) backward
                     message = needs(rank, item)
                     if message is not None and sends == "deferred":
                         # Before the first op that uses a received tensor, wait for its batch's receives.
                         done = [matched("recv", m) for m in batch_of[rank][message]]
-                        if any(d is None or d > clock[rank] for d in done):
-                            flush(rank)  # it would wait: owed weight gradients fill the wait
                         if any(d is None for d in done):
-                            break
+                            break  # its sender is not simulated that far yet: come back then
+                        if any(d > clock[rank] for d in done):
+                            flush(rank)  # it would wait: owed weight gradients fill the wait
                         clock[rank] = max([clock[rank], *done])
                     cost = costs.of(item.op, rank)
                     if item.op == BACKWARD and (item.chunk, item.microbatch) in deferred[rank]:

@@ -186,8 +186,10 @@ class PipelineEngine:
                     index += len(item)
                     continue
                 ins = item
-                if owed_sync is not None and not self._input_ready(ins, recv_handle):
-                    # The gradient is on its way and this rank would wait now: fill the wait.
+                if owed_sync is not None and (index == last_backward or not self._input_ready(ins, recv_handle)):
+                    # The gradient is on its way and this rank would wait now: fill the wait. And
+                    # before the rank's last backward, which syncs: data parallelism's buckets go
+                    # on the wire during it, and must already hold what earlier backwards owe.
                     self._flush_weight_grads(owed_sync, timed, clock, owner)
                     owed_sync = None
                 if ins.op == FORWARD:
