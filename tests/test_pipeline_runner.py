@@ -83,3 +83,45 @@ def test_only_the_pipeline_of_global_rank_0_gathers_the_weights(coords):
     state = {"w": torch.ones(2)}
     runner = SimpleNamespace(ctx=SimpleNamespace(coords={**coords, "pp": 1}))
     assert PipelineRunner.gather_full_state(runner, state) is state  # untouched, nothing sent
+
+
+def _eval_sends_held(corpus, run_dir, extra):
+    """The most send batches this rank holds unwaited at once during an evaluation, and its loss."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import build_trainer, small_cfg
+
+    from meshlm.parallel.pipeline import engine
+
+    held = [0]
+    add = engine._SendsInFlight.add
+
+    def counting_add(self, handle, keys):
+        add(self, handle, keys)
+        held[0] = max(held[0], len(self.batches))
+
+    engine._SendsInFlight.add = counting_add
+    loss = build_trainer(small_cfg(corpus, run_dir, 2, *extra)).evaluate()
+    return held[0], loss
+
+
+@pytest.mark.parametrize("kind,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_an_evaluation_holds_at_most_two_send_batches_unwaited(tmp_path, kind, virtual):
+    """Forward-only over 8 held-out batches a rank sends 8 activations (16 for interleaved's rank 0).
+    On gloo a send is only known received when a later message from its receiver says so
+    (schedules.send_receipts), and the last chunk's sends get none: beyond two batches in flight
+    the oldest is waited, or every activation sent stays held to the end of the pass."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import write_offline_corpus
+
+    corpus = write_offline_corpus(tmp_path / "corpus")
+    extra = ("parallel.pp=2", f"parallel.pp_schedule={kind}", f"parallel.pp_virtual={virtual}", "model.n_layers=4",
+             "train.eval_batches=8")
+    results = run_ranks(_eval_sends_held, 2, corpus, tmp_path / "run", extra, timeout=120)
+    assert all(held <= 2 for held, _ in results), results
+    assert results[0][1] == results[1][1]

@@ -56,7 +56,7 @@ class PipelineRunner:
                                      sequence_shards=comm.ctx.size("tp") if cfg.parallel.sp else 1,
                                      defer_weight_grads=p.pp_defer_wgrad and p.zero <= 1)
         self.last_stats: RunStats | None = None
-        self._eval_programs: dict[int, list] = {}
+        self._eval_programs: dict[int, tuple] = {}  # batches -> (program, its send receipts)
 
     # ------------------------------------------------------------------ training
 
@@ -113,13 +113,15 @@ class PipelineRunner:
     def eval_totals(self, mine: Sequence[Batch], loss_fn, autocast) -> torch.Tensor:
         """(summed token loss, target tokens), all ranks together, of this dp replica's held-out
         batches (`mine`, data.eval_share) streamed through the pipeline forward-only."""
-        program = self._eval_programs.get(len(mine))
+        program, receipts = self._eval_programs.get(len(mine), (None, None))
         if program is None and mine:
-            program = build_schedule(self.kind, self.pp, len(mine), self.virtual, forward_only=True)[self.pp_rank]
-            self._eval_programs[len(mine)] = program
+            schedules = build_schedule(self.kind, self.pp, len(mine), self.virtual, forward_only=True)
+            program, receipts = schedules[self.pp_rank], send_receipts(schedules, self.pp_rank)
+            self._eval_programs[len(mine)] = program, receipts
         self.stage.eval()
         try:
-            loss_sum = self.engine.run(program, mine, loss_fn=loss_fn, autocast=autocast, train=False).loss_sum \
+            loss_sum = self.engine.run(program, mine, loss_fn=loss_fn, autocast=autocast, train=False,
+                                       receipts=receipts).loss_sum \
                 if mine else torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         finally:
             self.stage.train()
