@@ -57,6 +57,7 @@ def test_dp_is_inferred_from_the_world_size():
     (["data.path=/no/such/file"], "data.path"),
     (["parallel.pp_layers=3,1"], "parallel.pp_layers"),  # pp=1: one stage, two counts
     (["parallel.pp_layers=four"], "parallel.pp_layers"),
+    (["parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"], "parallel.pp_virtual"),  # pp=1: no stages
 ])
 def test_bad_values_raise_one_line_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:

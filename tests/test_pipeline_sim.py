@@ -123,6 +123,11 @@ def test_cli_works_without_matplotlib_unless_asked_to_draw(monkeypatch, capsys, 
     ["--pp", "2", "--microbatches", "4"],
     ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--forward-cost", "0"],
     ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--weight-fraction", "1"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--weight-fraction", "nan"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--forward-cost", "nan"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--backward-cost", "inf"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--p2p-cost", "nan"],
+    ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--out", "/no/such/dir/t.png"],
 ])
 def test_cli_bad_usage_exits_2_with_one_line(args, capsys):
     assert main(args) == 2

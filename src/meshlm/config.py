@@ -354,6 +354,9 @@ def validate(cfg: Config, world_size: int) -> None:
         except ScheduleError as e:
             raise ConfigError(f"parallel.pp_microbatches: {e} (m = {n_micro}: global_batch_size/(dp*micro_batch_size) "
                               f"unless parallel.pp_microbatches is set)") from None
+    else:  # (a micro-batch count is left unused: a config may keep it while pp is toggled)
+        _require(p.pp_virtual == 1, f"parallel.pp_virtual: {p.pp_virtual} virtual stages need a pipeline "
+                                    f"(parallel.pp > 1); at pp=1 it would be ignored")
     # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
 

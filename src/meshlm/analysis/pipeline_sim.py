@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, REDUCE_GRADS, SCHEDULES, Instruction,
@@ -320,15 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 for --help
         return int(e.code or 0)
-    for name in ("forward_cost", "p2p_cost"):
-        if getattr(args, name) < 0 or (name == "forward_cost" and args.forward_cost == 0):
-            print(f"meshlm: error: --{name.replace('_', '-')}: must be > 0 (p2p >= 0)", file=sys.stderr)
+    for name, value, least in (("forward-cost", args.forward_cost, 0), ("backward-cost", args.backward_cost, 0),
+                               ("p2p-cost", args.p2p_cost, None)):
+        if value is not None and not (math.isfinite(value) and (value > least if least is not None else value >= 0)):
+            print(f"meshlm: error: --{name}: must be a finite number {'> 0' if least is not None else '>= 0'}, "
+                  f"got {value}", file=sys.stderr)
             return 2
-    if args.backward_cost is not None and args.backward_cost <= 0:
-        print("meshlm: error: --backward-cost: must be > 0", file=sys.stderr)
-        return 2
     if args.out and not args.out.lower().endswith((".png", ".svg")):
         print("meshlm: error: --out: the file name must end in .png or .svg", file=sys.stderr)
+        return 2
+    if args.out and not Path(args.out).expanduser().resolve().parent.is_dir():
+        print(f"meshlm: error: --out: {Path(args.out).parent} is not a directory", file=sys.stderr)
         return 2
     if not 0 <= args.weight_fraction < 1:
         print("meshlm: error: --weight-fraction: must be in [0, 1)", file=sys.stderr)
