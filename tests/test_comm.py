@@ -209,6 +209,34 @@ def test_collectives_refuse_an_output_of_another_dtype_on_every_backend(n):
         assert summary == []
 
 
+def _strided_rank(n):
+    ctx = ParallelContext(Layout(dp=n))
+    comm = Comm(ctx)
+    base = torch.arange(8.0) + 100 * ctx.rank
+    column = base.view(4, 2)[:, 0]  # elements 0, 2, 4, 6 of base
+    errors = []
+    for op, call in (("all_reduce", lambda: comm.all_reduce(column, "dp")),
+                     ("broadcast", lambda: comm.broadcast(column, 0, "dp"))):
+        with pytest.raises(ValueError, match=rf"{op} over dp: the tensor is a strided view") as caught:
+            call()
+        errors.append(str(caught.value))
+    transposed = (torch.arange(6.0) + ctx.rank).view(2, 3).t()  # dense in another order: fine
+    comm.all_reduce(transposed, "dp")
+    return errors, base.tolist(), transposed.tolist()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_strided_view_is_refused_not_reduced_beside_its_elements(n):
+    """gloo reads and writes numel elements from a strided view's first: a column of a [4, 2]
+    tensor came back with its neighbours' sums written into the other column. NCCL refuses it;
+    so does Comm, on every backend, before anything is written."""
+    for rank, (errors, base, transposed) in enumerate(run_ranks(_strided_rank, n, n, timeout=60)):
+        assert errors[0] == ("all_reduce over dp: the tensor is a strided view (shape [4], stride [2]); pass a "
+                             "contiguous copy and copy the result back")
+        assert base == [float(i + 100 * rank) for i in range(8)]
+        assert transposed == [[n * i + sum(range(n)) + 0.0 for i in (j, j + 3)] for j in range(3)]
+
+
 # --------------------------------------------------------------------------- traced collectives (n ranks)
 
 

@@ -112,6 +112,21 @@ def _same_dtype(op: str, label: str, output: torch.Tensor, input: torch.Tensor) 
         raise ValueError(f"{op} over {label}: output is {output.dtype}, input {input.dtype} (must be the same)")
 
 
+def _dense(op: str, label: str, tensor: torch.Tensor) -> None:
+    """NCCL refuses a tensor whose elements do not fill one block of memory (a strided view, such
+    as a column); gloo takes it and reads and writes numel elements from its first, outside the
+    view. Checked on every backend, so a CPU run fails where the GPU run would. (Any dim order
+    is dense: a transposed tensor passes.)"""
+    if tensor.is_contiguous():  # the common case, checked in C++: every op pays for this
+        return
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz != 1):
+        if stride != expected:
+            raise ValueError(f"{op} over {label}: the tensor is a strided view (shape {list(tensor.shape)}, "
+                             f"stride {list(tensor.stride())}); pass a contiguous copy and copy the result back")
+        expected *= size
+
+
 def _copy_if_distinct(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.data_ptr() != src.data_ptr():
         dst.copy_(src.reshape(dst.shape))
@@ -172,6 +187,7 @@ class Comm:
         """In place: every rank of the group ends with the reduction of all ranks' `tensor`."""
         label, group, ranks, me = self._group(axis)
         n = len(ranks)
+        _dense("all_reduce", label, tensor)
         if n == 1:
             return _DONE if async_op else None
         if self.desync_next:  # same shape and bytes, another dtype: no backend notices (debug/faults.py)
@@ -292,6 +308,7 @@ class Comm:
         """Copy `tensor` from global rank `src` to every rank of the group."""
         label, group, ranks, me = self._group(axis)
         n = len(ranks)
+        _dense("broadcast", label, tensor)
         if n == 1:
             return _DONE if async_op else None
         traffic = rank_traffic("broadcast", n, me, tensor.numel(), tensor.element_size(),
