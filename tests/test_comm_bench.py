@@ -19,8 +19,10 @@ def test_bench_parses_sizes_and_rejects_bad_usage_with_exit_2(capsys):
     assert main(["--ops", "all_reduce,gossip"]) == 2
     assert main(["--sizes", "lots"]) == 2
     assert main(["--bogus"]) == 2
+    assert main(["--min-bytes", "0"]) == 2  # doubling 0 would never reach --max-bytes: a hang
     err = capsys.readouterr().err
     assert "--nproc: needs at least 2 ranks" in err and "unknown ['gossip']" in err and "not a size" in err
+    assert "--min-bytes: must be at least 1 byte, got '0'" in err
 
 
 def test_bench_measures_fits_and_saves_a_profile(tmp_path, capsys):

@@ -170,3 +170,6 @@ def test_generate_continues_the_prompt(single_cli_run):
     greedy = [run_meshlm("generate", "--checkpoint", str(run_dir / "final"), "--prompt", "The ", "--max-new-tokens",
                          "8", "--temperature", "0", in_process=True).stdout for _ in range(2)]
     assert greedy[0] == greedy[1]
+    # a tiny temperature is nearly greedy (logits / 1e-40 overflowed: inf - inf, NaN probabilities)
+    assert run_meshlm("generate", "--checkpoint", str(run_dir / "final"), "--prompt", "The ", "--max-new-tokens",
+                      "8", "--temperature", "1e-40", in_process=True).stdout == greedy[0]

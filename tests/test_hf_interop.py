@@ -322,6 +322,14 @@ def test_bad_init_from_is_one_line_exit_2(corpus, tmp_path, capsys):
     assert "model.init_from" in line and "does not exist" in line
     assert "'gpt2'" in in_process_fails(capsys, *train, f"model.init_from={gpt2}", code=2)
     assert "no config.json" in in_process_fails(capsys, *train, f"model.init_from={tmp_path / 'empty'}", code=2)
+    # a default rope_parameters beside a legacy rope_scaling that transformers also applies
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    (scaled / "config.json").write_text(json.dumps({
+        "model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+        "rope_scaling": {"type": "linear", "factor": 4.0}}))
+    line = in_process_fails(capsys, *train, f"model.init_from={scaled}", code=2)
+    assert "rope scaling 'linear' is not supported" in line
 
 
 def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
@@ -364,3 +372,26 @@ def test_export_into_the_working_directory(saved, tmp_path, monkeypatch):
     (tmp_path / "here").rename(tmp_path / "1000")
     assert meshlm_main(["import", "--hf", "1000", "--out", "42"]) == 0
     assert (tmp_path / "42" / "final" / "model.safetensors").is_file()
+
+
+def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, tmp_path, capsys):
+    """`meshlm import` into a run directory that holds a model (final/ or checkpoints) would replace
+    it, or shadow its checkpoints for generate: refused naming --out unless --force. A source
+    whose context is shorter than the default train.seq_len imports (nothing is trained), and
+    errors about the source name --hf, the flag the user gave."""
+    run_dir, checkpoint, _ = saved("single-untied")
+    assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["max_position_embeddings"] = 64  # below the default train.seq_len of 128
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    final = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
+    for out in (tmp_path / "run", run_dir):  # an earlier import; a training run with checkpoints
+        line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(out), code=2)
+        assert line.startswith(f"meshlm: error: --out: {out} already holds a model") and "--force" in line
+    assert not (run_dir / "final").exists()
+    assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--force"]) == 0
+    assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == final
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new"), code=2)
+    assert line.startswith("meshlm: error: --hf: ")

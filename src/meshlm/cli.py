@@ -226,12 +226,13 @@ def _import_parser(sub) -> None:
                                    "meshlm train model.init_from=DIR.")
     p.add_argument("--hf", required=True, help="a Hugging Face Llama directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--out", required=True, help="the run directory to write final/ into")
+    p.add_argument("--force", action="store_true", help="replace a model the run directory already holds")
 
 
 def cmd_import(args) -> int:
     from meshlm.train.checkpoint.hf_import import import_hf
 
-    final = import_hf(Path(args.hf), Path(args.out))
+    final = import_hf(Path(args.hf), Path(args.out), replace=args.force)
     print(f"meshlm: imported {args.hf} to {final}")
     return 0
 

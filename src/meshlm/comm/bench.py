@@ -270,12 +270,19 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    flag = "--sizes" if args.sizes else "--min-bytes"
     try:
-        sizes = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
-                 else default_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes)))
+        if args.sizes:
+            sizes = [parse_size(s) for s in args.sizes.split(",")]
+        else:
+            lo = parse_size(args.min_bytes)
+            if lo < 1:  # doubling 0 would never reach the largest size
+                raise ValueError(f"must be at least 1 byte, got {args.min_bytes!r}")
+            flag = "--max-bytes"
+            sizes = default_sizes(lo, parse_size(args.max_bytes))
     except ValueError as e:
         parser.print_usage(sys.stderr)
-        print(f"meshlm bench comm: error: --sizes: {e}", file=sys.stderr)
+        print(f"meshlm bench comm: error: {flag}: {e}", file=sys.stderr)
         return 2
     ops = args.ops.split(",")
     bad = [o for o in ops if o not in OPS]

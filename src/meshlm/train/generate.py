@@ -34,7 +34,7 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature
         if temperature == 0:
             next_id = logits.argmax()
         else:
-            logits = logits / temperature
+            logits = (logits - logits.max()) / temperature  # a tiny temperature tends to greedy, never to inf - inf
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -115,8 +115,13 @@ def _rope_parameters(hf: dict) -> dict:
 
 
 def _rope_type(hf: dict) -> str:
-    params = _rope_parameters(hf)
-    return params.get("rope_type", params.get("type", "default"))
+    """The first rope type other than "default" that either key names: a config.json may carry both,
+    and transformers applies a legacy `rope_scaling` beside a default `rope_parameters`."""
+    for params in (hf.get("rope_parameters"), hf.get("rope_scaling")):
+        kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+        if kind != "default":
+            return kind
+    return "default"
 
 
 def model_fields_from_hf(hf: dict, where: Path) -> dict:

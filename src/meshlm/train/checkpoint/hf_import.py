@@ -32,22 +32,35 @@ def init_from(trainer, path: Path) -> None:
     trainer.step = 0
 
 
-def import_hf(source: Path, run_dir: Path) -> Path:
+def import_hf(source: Path, run_dir: Path, replace: bool = False) -> Path:
     """`meshlm import`: a Hugging Face Llama directory as meshlm's `run_dir/final/` (weights under
     meshlm's names, its tokenizer, a config), which `meshlm generate` reads. To train from it,
-    `model.init_from` reads the directory directly; this is for inspecting and sampling."""
+    `model.init_from` reads the directory directly; this is for inspecting and sampling. A run
+    directory that already holds a model (final/ or checkpoints, which generate would no longer
+    pick) is refused unless `replace`."""
     from meshlm.config import load_config, resolve
     from meshlm.model import Llama
     from meshlm.train.checkpoint.pieces import as_2d
+    from meshlm.train.checkpoint.store import list_checkpoints
     from meshlm.train.weights import save_final
 
-    source = Path(source)
+    source, run_dir = Path(source), Path(run_dir)
     if not (source / "tokenizer.json").is_file():
         raise ConfigError(f"--hf: {source} has no tokenizer.json (meshlm's final/ directory carries its tokenizer)")
+    held = [str(p) for p in (run_dir / "final", run_dir / "checkpoints") if p.exists()
+            and (p.name == "final" or list_checkpoints(p))]
+    if held and not replace:
+        raise ConfigError(f"--out: {run_dir} already holds a model ({', '.join(held)}); the import would "
+                          f"replace or shadow it: choose another --out, or pass --force")
     cfg = load_config(None)  # paths set directly: as `key=value` text, "1000" would parse as a number
     cfg.model.init_from, cfg.run.dir = str(source), str(run_dir)
-    cfg = resolve(cfg)
-    reader = open_weights(source, cfg.model)
+    seq_len, cfg.train.seq_len = cfg.train.seq_len, 1  # nothing is trained: no window to check
+    try:
+        cfg = resolve(cfg)
+        reader = open_weights(source, cfg.model)
+    except ConfigError as e:  # the user named the directory --hf, not model.init_from
+        raise ConfigError(str(e).replace("model.init_from:", "--hf:", 1)) from None
+    cfg.train.seq_len = min(seq_len, cfg.model.max_seq_len)
     model = Llama(cfg.model)
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied head is the embedding: listed once
