@@ -335,6 +335,30 @@ def test_a_bf16_buffer_is_reduced_through_one_fp32_bucket_copy_at_a_time(kind):
         assert buckets >= 5 and most == 1 and left == 0
 
 
+def _second_backward_rank(kind):
+    model = debug_model()
+    comm = comm_here()
+    dp = DDP(model, comm, TRAIN) if kind == "ddp" else ZeroDataParallel(model, comm, TRAIN, stage=1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for step in range(2):  # a synced backward, then another without zero_grad between
+        inputs, targets, tokens = local_batch(step, rank, n)
+        try:
+            (token_loss_sum(dp.module(inputs), targets) / tokens).backward()
+        except RuntimeError as e:
+            return step, str(e)
+        dp.finish_backward()
+    return None
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1"])
+def test_a_backward_into_an_already_reduced_buffer_is_a_clear_error(kind):
+    """After finish_backward the buffer holds the ranks' sum: a second synced backward added into
+    it would send the first micro-batch's gradient n times (torch DDP averages, so there the same
+    sequence works). Refused, naming no_sync and zero_grad."""
+    for step, message in run_ranks(_second_backward_rank, 2, kind, timeout=60):
+        assert step == 1 and "after finish_backward() and before zero_grad()" in message and "no_sync()" in message
+
+
 # --------------------------------------------------------------------------- mixed precision
 
 

@@ -81,6 +81,29 @@ def test_equals_torch_fully_shard(reshard_after_forward):
             assert most_gathered == 3  # root + both blocks kept from forward to backward
 
 
+def _first_forward_under_inference_mode_rank():
+    model = debug_model()
+    comm = comm_here()
+    fsdp = FullyShardedDataParallel(model, comm, TRAIN, policy=by_class(TransformerBlock))
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    with torch.inference_mode():  # a sample or an evaluation before the first step
+        before = token_loss_sum(fsdp.module(inputs), targets).item()
+    (token_loss_sum(fsdp.module(inputs), targets) / tokens).backward()
+    fsdp.finish_backward()
+    grads = fsdp.full_grads()
+    fsdp.clip_and_step(TRAIN.lr, 1.0)  # the step's all-gather writes the buffers again
+    return before, grads, fsdp.full_state_dict()
+
+
+def test_a_first_forward_under_inference_mode_leaves_training_possible():
+    """The unsharded buffers are made by the first forward; made under inference mode they were
+    inference tensors, which no later training gather may write."""
+    reference = run_ranks(_meshlm_fsdp, 2, 1, timeout=120)[0]
+    for before, grads, params in run_ranks(_first_forward_under_inference_mode_rank, 2, timeout=120):
+        assert before > 0 and all((grads[name] - g).abs().max() <= 1e-6 for name, g in reference[0].items())
+        assert all((params[name] - p).abs().max() <= 1e-6 for name, p in reference[1].items())
+
+
 def test_activation_checkpointing_gives_the_same_result():
     plain = run_ranks(_meshlm_fsdp, 2, 2, timeout=120)
     recomputed = run_ranks(_meshlm_fsdp, 2, 2, "full", timeout=120)

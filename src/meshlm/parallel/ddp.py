@@ -59,6 +59,7 @@ class DDP:
         itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
         self.layout = FlatLayout(list(reversed(named)), bucket_bytes, align=self._align(), itemsize=itemsize)
         self._sync = True
+        self._reduced = False  # finish_backward ran since zero_grad: the buffer holds the ranks' sum
         self._pending: list = []  # (handle, callback) of launched async reductions
         self._slot_of = {id(s.param): s for s in self.layout.slots}  # ZeRO-2's hook finds its slot
         self.autograd_grads = self._keeps_autograd_grads()
@@ -134,6 +135,12 @@ class DDP:
         """Make param.grad the buffer's view: the step's first gradient of `param` is copied in,
         a later one (or one into a slot zeroed up front) added. (The buffer needs no autograd, so
         neither do these ops: no no_grad block.)"""
+        if self._reduced:
+            raise RuntimeError(
+                "DDP: a gradient arrived after finish_backward() and before zero_grad(): the buffer holds "
+                "the ranks' sum, and adding this rank's gradient to it would count the earlier backwards "
+                "n times at the next reduction; accumulate micro-batches under no_sync() (syncing the "
+                "last one only), or call zero_grad() first")
         grad = param.grad
         self._grad_storage()
         key = id(param)
@@ -218,6 +225,7 @@ class DDP:
             self.unused_parameters = missing
         self._finish_pending()
         self.tracker.reset()
+        self._reduced = True
 
     # ------------------------------------------------------------------ step
 
@@ -247,6 +255,7 @@ class DDP:
     def zero_grad(self) -> None:
         """Free the gradients (set_to_none semantics): the next backward allocates them again."""
         self.grad_buffer = self._grad_views = None
+        self._reduced = False
         for s in self.layout.slots:
             s.param.grad = None
 

@@ -98,10 +98,13 @@ class Unit:
     def bind(self) -> None:
         """Give the unsharded buffer its storage and make the parameters views of it (first
         gather). From then on its storage is resized, never replaced, so the parameters (and
-        autograd's saved references to them) stay views of whatever is gathered into it."""
-        self.full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
-        for s in self.slots:
-            repoint(s.param, self.full[s.start: s.end].view(s.shape))
+        autograd's saved references to them) stay views of whatever is gathered into it. Made
+        outside inference mode even under it: an inference tensor could never be written by a
+        later training step's gather."""
+        with torch.inference_mode(False):
+            self.full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
+            for s in self.slots:
+                repoint(s.param, self.full[s.start: s.end].view(s.shape))
         self.bound = True
 
     def trim(self) -> None:
