@@ -96,6 +96,8 @@ def _cfg(**parallel) -> Config:
     (dict(parallel__tp=4), "parallel.tp: model.n_heads=6 is not divisible by tp=4"),
     (dict(parallel__tp=3), "parallel.tp: model.n_kv_heads=2 neither divides nor is divisible by tp=3"),
     (dict(parallel__tp=2, model__ffn_dim=513), "parallel.tp: model.ffn_dim=513 is not divisible by tp=2"),
+    (dict(parallel__tp=6, model__ffn_dim=516, model__vocab_size=9),  # rows 0-1, ..., 8-9: rank 5 has none
+     "parallel.tp: model.vocab_size=9 in slices of 2 rows leaves the last of tp=6 ranks no vocabulary"),
     (dict(parallel__pp=3), "parallel.pp: model.n_layers=4 is not divisible into pp*pp_virtual = 3*1 = 3 stages"),
     (dict(parallel__pp=2, parallel__pp_virtual=3, parallel__pp_schedule="interleaved"),
      "parallel.pp: model.n_layers=4 is not divisible into pp*pp_virtual = 2*3 = 6 stages"),
@@ -115,6 +117,7 @@ def test_check_layout_names_the_key(overrides, message):
     dict(), dict(parallel__tp=2), dict(parallel__pp=2, parallel__pp_virtual=2, parallel__pp_schedule="interleaved"),
     dict(parallel__pp=4), dict(parallel__cp=4), dict(parallel__tp=2, parallel__sp=True, parallel__cp=2),
     dict(parallel__tp=2, model__n_heads=8, model__n_kv_heads=4, model__dim=256),
+    dict(parallel__tp=6, model__ffn_dim=516, model__vocab_size=31),  # the last rank: row 30 alone
 ])
 def test_check_layout_accepts_valid_layouts(overrides):
     check_layout(_cfg(**overrides), 8)

@@ -194,6 +194,10 @@ def check_layout(cfg: "Config", world_size: int) -> None:
                 f"(kv heads are split or replicated across tp ranks)")
         ffn = model("ffn_dim")
         require(ffn is None or ffn % p.tp == 0, f"parallel.tp: model.ffn_dim={ffn} is not divisible by tp={p.tp}")
+        vocab = model("vocab_size")  # ceil(V/tp) rows a rank (vocab_parallel.VocabShard): the last must get one
+        require(vocab is None or -(-vocab // p.tp) * (p.tp - 1) < vocab,
+                f"parallel.tp: model.vocab_size={vocab} in slices of {-(-vocab // p.tp) if vocab else 0} rows "
+                f"leaves the last of tp={p.tp} ranks no vocabulary")
     stages = p.pp * p.pp_virtual
     n_layers = model("n_layers")
     if p.pp_layers:
