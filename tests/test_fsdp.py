@@ -160,6 +160,40 @@ def test_any_module_with_a_size_policy_equals_the_single_process_reference():
             assert (params[name] - p).abs().max() <= 1e-5, name
 
 
+class TiedTower(nn.Module):
+    """A tied embedding and head around MLP blocks: the embedding is large enough for a unit of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 11, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids):
+        h = self.embedding(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _tied_tower_rank(sharded):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(3))
+    params, fsdp = train_any_module(TiedTower(), ids, sharded, by_size(100), TRAIN)
+    return params, fsdp and [u.name for u in fsdp.units]
+
+
+def test_a_weight_tied_across_a_units_boundary_stays_in_the_common_ancestor():
+    """by_size(100) would make the 176-element embedding a unit, freed after its forward, while the
+    head (outside it) still reads the tied weight: it stays in the root, which holds both users."""
+    reference, _ = run_ranks(_tied_tower_rank, 1, False)[0]
+    for params, units in run_ranks(_tied_tower_rank, 2, True, timeout=60):
+        assert units == ["<root>", "blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"]  # no embedding unit
+        for name, p in reference.items():
+            assert (params[name] - p).abs().max() <= 1e-5, name
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -34,16 +34,26 @@ def by_size(min_numel: int) -> WrapPolicy:
 
 def choose_units(module: nn.Module, policy: WrapPolicy | None) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """(unit name, its named parameters) in forward (pre-)order; the root ('<root>') first with
-    whatever no unit took. Children are decided before parents, so a parent only gets the rest."""
+    whatever no unit took. Children are decided before parents, so a parent only gets the rest.
+    A parameter shared with a module outside a candidate's subtree (a tied embedding and head) is
+    left to an ancestor holding all its users, at worst the root: a unit frees its parameters
+    after its own forward, and the other user would read freed storage."""
     taken: set[int] = set()
     chosen: dict[str, list] = {}
+    users: dict[int, list[str]] = {}
+    for sub_name, sub in module.named_modules():
+        for p in sub.parameters(recurse=False):
+            users.setdefault(id(p), []).append(sub_name)
+
+    def inside(p: nn.Parameter, name: str) -> bool:
+        return all(user == name or user.startswith(name + ".") for user in users[id(p)])
 
     def visit(name: str, sub: nn.Module) -> None:
         for child_name, child in sub.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
         if sub is module or policy is None or isinstance(sub, _CONTAINERS):
             return
-        params = [(f"{name}.{pn}", p) for pn, p in sub.named_parameters() if id(p) not in taken]
+        params = [(f"{name}.{pn}", p) for pn, p in sub.named_parameters() if id(p) not in taken and inside(p, name)]
         if params and policy(name, sub, sum(p.numel() for _, p in params)):
             taken.update(id(p) for _, p in params)
             chosen[name] = params
