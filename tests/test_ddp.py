@@ -404,6 +404,28 @@ def test_bf16_masters_start_at_the_fp32_initial_values_not_their_rounding(kind):
         assert differing == []
 
 
+def _frozen_bf16_rank(kind):
+    model = debug_model()
+    frozen = model.layers[0].attention.wq.weight
+    frozen.requires_grad_(False)
+    initial = frozen.detach().clone()
+    comm = comm_here()
+    dp = (DDP(model, comm, TRAIN, precision=BF16) if kind == "ddp"
+          else ZeroDataParallel(model, comm, TRAIN, stage=int(kind[-1]), precision=BF16))
+    inputs, targets, tokens = local_batch(0, dist.get_rank(), dist.get_world_size())
+    (token_loss_sum(dp.module(inputs), targets) / tokens).backward()  # no autocast: bf16 throughout
+    dp.finish_backward()
+    dp.clip_and_step(1e-3, 1.0)
+    return frozen.dtype, torch.equal(frozen.float(), initial.to(torch.bfloat16).float()), frozen.grad is None
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
+def test_bf16_engines_cast_frozen_weights_too(kind):
+    """A frozen weight left fp32 beside bf16 ones failed the first matmul without autocast."""
+    for dtype, unchanged, no_grad in run_ranks(_frozen_bf16_rank, 2, kind, timeout=60):
+        assert dtype == torch.bfloat16 and unchanged and no_grad
+
+
 def test_bf16_parameters_fp32_reduction_and_fp32_master():
     fp32_grads = run_ranks(_train, 2, "ddp", 1, timeout=60)[0][0]
     params, reduced, grads, master = run_ranks(_bf16_rank, 2, timeout=60)[0]

@@ -20,8 +20,9 @@ How it works (PyTorch's DistributedDataParallel reducer, in ~200 lines of Python
 - At one rank (no dp or cp peers: single-GPU runs, tp- or pp-only layouts) there is nothing to
   reduce: autograd's own `.grad` tensors are the gradients the optimizer reads. No hook runs and
   no buffer exists (a hook costs ~45 us of Python per parameter, plus a copy of every gradient).
-Works for any nn.Module. Mixed precision (`MixedPrecision(bf16)`): bf16 parameters and gradient
-buffer, each bucket upcast and all-reduced in fp32, an fp32 master copy for AdamW.
+Works for any nn.Module. Mixed precision (`MixedPrecision(bf16)`): bf16 parameters (frozen ones
+too) and gradient buffer, each bucket upcast and all-reduced in fp32, an fp32 master copy of the
+trainable ones for AdamW.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class DDP:
         self.precision = precision
         self.device = self.ctx.device
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if precision.enabled:  # frozen weights compute in bf16 too (no master: they never change)
+            for p in module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(precision.param_dtype)
         itemsize = torch.empty((), dtype=precision.param_dtype).element_size()
         self.layout = FlatLayout(list(reversed(named)), bucket_bytes, align=self._align(), itemsize=itemsize)
         self._sync = True
