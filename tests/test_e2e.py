@@ -95,6 +95,22 @@ def test_a_signal_stops_two_nodes_that_share_no_run_dir_without_a_checkpoint(cor
         no_rank_left(dirs[r])
 
 
+def test_a_config_error_only_the_ranks_can_find_exits_2_on_every_node(corpus, tmp_path):
+    """Checkpoints into run.dirs the nodes do not share: found when the ranks meet (no launcher can
+    see the other node's filesystem), reported in one line and exit 2 as a bad config is."""
+    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
+    nodes = {r: start_node(corpus, dirs[r], r, port, "checkpoint.interval=100") for r in dirs}
+    try:
+        out = {r: node.communicate(timeout=120) for r, node in nodes.items()}
+    finally:
+        for node in nodes.values():
+            node.kill()
+    assert {r: node.returncode for r, node in nodes.items()} == {1: 2, 0: 2}, out
+    for r in dirs:
+        errors = [line for line in out[r][1].splitlines() if line.startswith("meshlm:")]
+        assert len(errors) == 1 and errors[0].startswith("meshlm: error: checkpoint.interval: rank "), out[r][1]
+
+
 def _meet_rank0(run_dirs, interval):
     """One rank per "node" (forked), each with its own run.dir from `run_dirs`."""
     import torch.distributed as dist

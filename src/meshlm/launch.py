@@ -109,6 +109,8 @@ def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwar
             print(f"meshlm: {name}: ranks stopped", file=sys.stderr)
             return 128 + int(forwarded[0])
     except ChildFailedError as e:
+        if e.get_first_failure()[1].exitcode == 2:  # a config error only the ranks could find: said
+            return 2
         failures = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
         why = explain() if explain is not None else None
         print(f"meshlm: {why}" if why else f"meshlm: training failed on {failures}; see the rank logs in the run "

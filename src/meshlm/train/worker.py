@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RunError, ConfigError) as e:  # e.g. a bad checkpoint: one line, not a traceback per rank
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node: each launcher shows why
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1  # bad config, as if found before the ranks: 2
     except RankFailed:  # reported by the guard; the others learn it from their peer's exit
         return 1
     finally:
