@@ -100,6 +100,18 @@ def test_a_finished_run_is_ok_and_no_data_is_none(tmp_path):
     assert analyze(tmp_path)["verdict"] == "ok"
 
 
+def test_a_finished_run_missing_a_ranks_recorder_file_is_incomplete_not_ok(tmp_path):
+    """The world size is the config's (dp*tp*cp*pp), not the number of files: a rank that left no
+    file is named, and the others' groups resolve against the real world."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "config.toml").write_text("[parallel]\ndp = 2\ntp = 2\n")
+    for r in (0, 1, 2):
+        (tmp_path / "logs" / f"comm_rank{r}.jsonl").write_text(json.dumps({**rec(0), "rank": r}) + "\n")
+    result = analyze(tmp_path)
+    assert (result["verdict"], result["ranks"]) == ("incomplete", [3]), result["line"]
+    assert result["line"].startswith("incomplete: no recorder file from rank 3 of 4")
+
+
 # ---------------------------------------------------------------- the watchdog on forked ranks
 
 def _one_rank_stalls(run_dir, stall_rank):

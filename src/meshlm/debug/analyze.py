@@ -232,23 +232,40 @@ def analyze_finished(run_dir: Path) -> dict:
     if not files:
         return {"verdict": "none", "ranks": [], "group": None, "seq": None, "op": None, "step": None, "details": [],
                 "line": f"nothing to analyze: no dumps in {run_dir / 'debug'} and no recorder files in {run_dir / 'logs'}"}
+    ranks = {int(f.stem.removeprefix("comm_rank")): f for f in files}
+    world = _world_from_config(run_dir) or max(ranks) + 1  # not the number of files: one may be missing
     dumps = {}
-    for f in files:
+    for rank, f in sorted(ranks.items()):
         records = []
         for line in filter(str.strip, f.read_text().splitlines()):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut off as the rank was killed: what came before stands
                 break
-        rank = int(f.stem.removeprefix("comm_rank"))
-        dumps[rank] = {"rank": rank, "records": records,
-                       "groups": _groups_from_config(run_dir, rank, records, len(files))}
+        dumps[rank] = {"rank": rank, "records": records, "groups": _groups_from_config(run_dir, rank, records, world)}
     result = find_desync(dumps)
-    if result is None:
+    missing = sorted(set(range(world)) - set(ranks))
+    if result is None and missing:
+        result = {"verdict": "incomplete", "ranks": missing, "group": None, "seq": None, "op": None,
+                  "line": f"incomplete: no recorder file from rank{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(map(str, missing))} of {world} (killed before the end?); the other "
+                          f"{len(ranks)} ranks' collectives agree"}
+    elif result is None:
         result = {"verdict": "ok", "ranks": [], "group": None, "seq": None, "op": None,
                   "line": f"ok: {len(files)} ranks' collectives agree (no dump: nothing timed out or failed)"}
     result.update(step=None, details=[], dumps=[])
     return result
+
+
+def _world_from_config(run_dir: Path) -> int | None:
+    """dp*tp*cp*pp as the run's config.toml holds them (dp is written resolved), or None."""
+    from meshlm.config import load_config
+
+    try:
+        p = load_config(str(run_dir / "config.toml")).parallel
+        return p.dp * p.tp * p.cp * p.pp
+    except Exception:  # no or unreadable config: the files then tell the world size
+        return None
 
 
 def _groups_from_config(run_dir: Path, rank: int, records: list[dict], world: int) -> dict[str, list[int]]:
