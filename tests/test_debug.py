@@ -98,6 +98,10 @@ def test_a_finished_run_is_ok_and_no_data_is_none(tmp_path):
     for r in (0, 1):
         (tmp_path / "logs" / f"comm_rank{r}.jsonl").write_text(json.dumps({**rec(0), "rank": r}) + "\n")
     assert analyze(tmp_path)["verdict"] == "ok"
+    (tmp_path / "debug").mkdir()
+    (tmp_path / "debug" / "rank_notes.json").write_text('{"note": "not a dump"}')  # read past, not a KeyError
+    (tmp_path / "debug" / "rank9.json").write_text('[1, 2]')
+    assert analyze(tmp_path)["verdict"] == "ok"
 
 
 def test_a_finished_run_missing_a_ranks_recorder_file_is_incomplete_not_ok(tmp_path):

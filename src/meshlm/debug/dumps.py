@@ -64,9 +64,9 @@ def read_dumps(run_dir: Path | str) -> dict[int, dict]:
     for path in sorted(debug_dir(run_dir).glob("rank*.json")):
         try:
             dump = json.loads(path.read_text())
-        except (OSError, ValueError):
+            out[int(dump["rank"])] = dump
+        except (OSError, ValueError, KeyError, TypeError):  # half-written, or no dump (rank_notes.json)
             continue
-        out[int(dump["rank"])] = dump
     return out
 
 
