@@ -341,23 +341,9 @@ def validate(cfg: Config, world_size: int) -> None:
     from meshlm.mesh import check_layout  # the checks that need model and layout together
 
     check_layout(cfg, world_size)
-    if p.pp > 1:  # the pipeline's micro-batch count m, and whether the schedule can run with it
-        local = t.global_batch_size // p.dp
-        _require(p.pp_microbatches == 0 or local % p.pp_microbatches == 0,
-                 f"parallel.pp_microbatches: {p.pp_microbatches} does not divide the batch of one pipeline, "
-                 f"global_batch_size/dp = {local}")
-        n_micro = p.pp_microbatches or local // t.micro_batch_size
-        from meshlm.parallel.pipeline.schedules import ScheduleError, check_schedule
+    from meshlm.parallel.pipeline.schedules import check_pipeline_config
 
-        try:
-            check_schedule(p.pp_schedule, p.pp, n_micro, p.pp_virtual)
-        except ScheduleError as e:
-            raise ConfigError(f"parallel.pp_microbatches: {e} (m = {n_micro}: global_batch_size/(dp*micro_batch_size) "
-                              f"unless parallel.pp_microbatches is set)") from None
-    else:  # (a micro-batch count is left unused: a config may keep it while pp is toggled)
-        _require(p.pp_virtual == 1, f"parallel.pp_virtual: {p.pp_virtual} virtual stages need a pipeline "
-                                    f"(parallel.pp > 1); at pp=1 it would be ignored")
-    # Guards for techniques not wired into the trainer yet; each goes when its issue lands.
+    check_pipeline_config(p, t)
     _require(not p.sp or p.tp > 1, "parallel.sp=true: sequence parallelism shards along tp; it needs parallel.tp > 1")
 
     if d.path is not None:  # ~ as the corpus reader and data.blend read it

@@ -121,6 +121,30 @@ class PipelineShape:
 # --------------------------------------------------------------------------- validation
 
 
+def check_pipeline_config(p, t) -> None:
+    """ConfigError naming the key if the config's pipeline cannot run: the micro-batch count m
+    (parallel.pp_microbatches, else global_batch_size / (dp * micro_batch_size)) and whether the
+    schedule runs with it; virtual stages without a pipeline. (A micro-batch count is left unused
+    at pp=1: a config may keep it while pp is toggled.)"""
+    from meshlm.errors import ConfigError
+
+    if p.pp == 1:
+        if p.pp_virtual != 1:
+            raise ConfigError(f"parallel.pp_virtual: {p.pp_virtual} virtual stages need a pipeline "
+                              f"(parallel.pp > 1); at pp=1 it would be ignored")
+        return
+    local = t.global_batch_size // p.dp
+    if p.pp_microbatches and local % p.pp_microbatches:
+        raise ConfigError(f"parallel.pp_microbatches: {p.pp_microbatches} does not divide the batch of one "
+                          f"pipeline, global_batch_size/dp = {local}")
+    n_micro = p.pp_microbatches or local // t.micro_batch_size
+    try:
+        check_schedule(p.pp_schedule, p.pp, n_micro, p.pp_virtual)
+    except ScheduleError as e:
+        raise ConfigError(f"parallel.pp_microbatches: {e} (m = {n_micro}: global_batch_size/(dp*micro_batch_size) "
+                          f"unless parallel.pp_microbatches is set)") from None
+
+
 def check_schedule(kind: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     """Raise ScheduleError if `kind` cannot run with these settings (the reason in one line)."""
     if kind not in SCHEDULES:
