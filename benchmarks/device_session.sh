@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# What a session lent the GPU machine runs there, one part per `run` call (each call may take at
-# most 10 minutes, and a session has 30 minutes of device time in all), from the repository root:
+# What a session lent the GPU machine runs there (each `run` call may take at most 10 minutes, and a
+# session has 30 minutes of device time in all), from the repository root. Parts:
 #
-#   run: bash benchmarks/device_session.sh check     (~3 min)  the machine, versions, CUDA-only tests, compile tests
-#   run: bash benchmarks/device_session.sh train     (~3 min)  meshlm train on the GPU: 125m, bf16, compiled
-#   run: bash benchmarks/device_session.sh gpu-125m  (~4 min)  meshlm bench gpu, 125m, eager + compile
-#   run: bash benchmarks/device_session.sh gpu-1b    (~7 min)  meshlm bench gpu, 1b at seq 2048
-#   run: bash benchmarks/device_session.sh scaling   (~6 min)  meshlm bench scaling --nproc 1,2,4,8 (CPU ranks)
+#   check     (~3 min)  the machine, versions, CUDA-only tests, compile tests
+#   train     (~3 min)  meshlm train on the GPU: 125m, bf16, compiled
+#   gpu-1b    (~7 min)  meshlm bench gpu, 1b at seq 2048 (the MFU target)
+#   gpu-125m  (~4 min)  meshlm bench gpu, 125m, eager + compile
+#   scaling   (~6 min)  meshlm bench scaling --nproc 1,2,4,8 (CPU ranks on the 16 cores, no GPU)
+#
+# A machine stays warm only ~30 s after a call, and each fresh start costs 1-2 minutes of the 30:
+# make as few calls as fit, in this order, then `give_back`:
+#
+#   run: bash benchmarks/device_session.sh check train   (~6 min)
+#   run: bash benchmarks/device_session.sh gpu-1b        (~7 min)
+#   run: bash benchmarks/device_session.sh gpu-125m      (~4 min)
+#   run: bash benchmarks/device_session.sh scaling       (~6 min, only if the budget still holds it)
 #
 # Each writes its JSON (and the scaling plot) under $OUT, which comes back; bench gpu also prints
 # every row on stderr as it lands, so a call cut short still shows what it measured. The machine's
@@ -21,7 +29,8 @@ OUT=${OUT:-/tmp/meshlm-device-out}
 mkdir -p "$OUT"
 meshlm() { python3 -m meshlm.cli "$@"; }
 
-case "${1:-}" in
+part() {
+case "$1" in
 check)
     nproc; lscpu -e=CPU,CORE,SOCKET | head -20; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
     df -h /dev/shm | tail -1
@@ -75,7 +84,17 @@ scaling)
     echo "rc=$? (gloo's collectives, with their background thread, for comparison)"
     ;;
 *)
-    echo "usage: bash benchmarks/device_session.sh check|train|gpu-125m|gpu-1b|scaling" >&2
+    echo "usage: bash benchmarks/device_session.sh PART... (PART: check, train, gpu-1b, gpu-125m, scaling)" >&2
     exit 2
     ;;
 esac
+}
+
+[ $# -ge 1 ] || part usage
+for name in "$@"; do  # every name checked before anything runs: a typo costs no device time
+    case "$name" in check|train|gpu-1b|gpu-125m|scaling) ;; *) part usage ;; esac
+done
+for name in "$@"; do
+    echo "=== $name ==="
+    part "$name"
+done
