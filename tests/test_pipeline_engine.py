@@ -207,6 +207,22 @@ def test_an_op_is_ready_when_its_own_input_has_arrived():
     assert not ready(Instruction(SEND_ACT, 1, 0, peer=1), handles)
 
 
+def test_a_send_dropped_as_finished_is_waited_so_its_record_closes():
+    """NCCL reports a send finished without a wait; dropped unwaited, its flight-recorder record
+    stayed pending for ever, and a hang report blamed that old, finished send first."""
+    from meshlm.comm.recorder import FlightRecorder
+    from meshlm.comm.traced import Handle
+    from meshlm.parallel.pipeline.engine import _SendsInFlight
+
+    recorder = FlightRecorder(0)
+    record = recorder.start("send", "pp", 2, torch.float32, 10, 40, 40, 0, peer=1, async_op=True, channel="send->1")
+    finished = SimpleNamespace(is_completed=lambda: True, wait=lambda: True)
+    sends = _SendsInFlight(receipts=None)
+    sends.add(Handle([finished], [record], recorder), [])
+    sends.prune()
+    assert sends.batches == [] and recorder.pending() == []
+
+
 def test_the_cuda_clock_converts_event_milliseconds_to_seconds():
     clock = _Clock(torch.device("cuda"))  # constructing it touches no GPU
     start = SimpleNamespace(elapsed_time=lambda end: end.ms)

@@ -104,8 +104,16 @@ class _SendsInFlight:
             self.batches.pop(0)[0].wait()
 
     def prune(self) -> None:
-        """Drop the batches whose sends report completion (NCCL's do; gloo's never do unwaited)."""
-        self.batches = [b for b in self.batches if not b[0].is_completed()]
+        """Drop the batches whose sends report completion (NCCL's do; gloo's never do unwaited),
+        waited first: free now, and it closes their flight-recorder records, which a hang report
+        would otherwise list as pending (the oldest, so blamed first)."""
+        keep = []
+        for handle, numbers in self.batches:
+            if handle.is_completed():
+                handle.wait()
+            else:
+                keep.append((handle, numbers))
+        self.batches = keep
 
     def arrived(self, recv_key: tuple[str, int, int]) -> None:
         """A message arrived: wait (at once, without stalling) the sends its sender has received."""
