@@ -106,3 +106,39 @@ def test_eval_loss_is_the_same_for_every_dp_layout(corpus, tmp_path):
     single = build_trainer(make_cfg(corpus, tmp_path / "a", 1)).evaluate()
     ranks = run_ranks(lambda: build_trainer(make_cfg(corpus, tmp_path / "b", 2)).evaluate(), 2)
     assert ranks == pytest.approx([single, single], abs=1e-6)
+
+
+class _SecondStepAllIgnored(UnevenlyMaskedLoader):
+    """Step 1's global batch has no target token (every target IGNORE_INDEX), as a masked loader
+    (instruction tuning, packed prompts) can give."""
+
+    def _rows(self, step, start, count):
+        inputs, targets = super()._rows(step, start, count)
+        return (inputs, torch.full_like(targets, -100)) if step == 1 else (inputs, targets)
+
+
+def _empty_step_rank(corpus, run_dir, world_size, extra):
+    trainer = build_trainer(make_cfg(corpus, run_dir, world_size, *extra), _SecondStepAllIgnored)
+    results, params = [], []
+    for _ in range(3):
+        results.append(trainer.train_step())
+        params.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    adam_steps = {int(state["step"]) for state in trainer.dp.optim.optimizer.state.values()}
+    return [(r.loss, r.grad_norm, r.target_tokens) for r in results], params, adam_steps, trainer.empty_skipped
+
+
+@pytest.mark.parametrize("world_size,extra", [(1, ()), (2, ("parallel.dp=2", "parallel.zero=1")),
+                                              (2, ("parallel.pp=2",))])
+def test_a_step_without_target_tokens_changes_nothing_and_the_run_goes_on(corpus, tmp_path, world_size, extra):
+    """No target token anywhere in the global batch: the loss is 0/0, and zero gradients would still
+    move the weights through AdamW's momentum and decay. No rank runs a forward, no update is
+    applied (AdamW counts two steps of three), the loss is reported NaN, and the next step trains."""
+    args = (corpus, tmp_path, world_size, extra)
+    for rows, params, adam_steps, skipped in (run_ranks(_empty_step_rank, world_size, *args, timeout=120)
+                                              if world_size > 1 else [_empty_step_rank(*args)]):
+        (loss0, _, tokens0), (loss1, norm1, tokens1), (loss2, _, tokens2) = rows
+        assert tokens0 > 0 and tokens2 > 0 and loss0 > 0 and loss2 > 0
+        assert tokens1 == 0 and loss1 != loss1 and norm1 == 0.0 and skipped == 1
+        assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])
+        assert any(not torch.equal(params[1][n], params[2][n]) for n in params[1])
+        assert adam_steps in ({2}, set())  # set(): a pipeline stage's optimizer may hold no parameter

@@ -89,6 +89,7 @@ class Trainer:
         self.faults.install(self.model)
         self.stragglers = StragglerDetector(cfg.debug.straggler_threshold, warn=self.metrics.print)
         self.nonfinite_skipped = 0
+        self.empty_skipped = 0  # steps whose global batch had no target token: no forward, no update
         self._same_work_ranks = ctx.layout.groups(("tp", "cp", "dp"))  # one pipeline stage each: desync check
         self._pipelines = ctx.layout.groups("pp")  # their collectives on the pp axis: alike on every stage
         self.stop_signals = None  # a preemption.StopSignals: checked after every step when set
@@ -144,6 +145,8 @@ class Trainer:
         counts = torch.tensor([float(sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in micro))],
                               dtype=torch.float64, device=self.device)
         global_tokens = self._all_reduce(counts).item()
+        if global_tokens == 0:  # every rank knows it: none runs a forward (nothing to learn from)
+            return torch.zeros((), dtype=torch.float64, device=self.device), 0.0
         if self.pipeline is not None:  # the schedule runs every micro-batch, reduces grads after the last
             self.progress.at("forward+backward")
             return self.pipeline.forward_backward(micro, global_tokens, self.loss_sum, self.dp,
@@ -191,9 +194,14 @@ class Trainer:
         self.faults.before_step(self.step + 1)
         with self.memory.step(self.dp.state_tensors(), self.step + 1):
             loss_sum, global_tokens = self.forward_backward()
-            grad_norm, nonfinite = self.optimizer_step(loss_sum)
+            if global_tokens:
+                grad_norm, nonfinite = self.optimizer_step(loss_sum)
+            else:  # no target token in the whole global batch (a masked loader): no update, which with
+                grad_norm, nonfinite = 0.0, None  # zero gradients would still move the weights (AdamW's
+                self.empty_skipped += 1           # momentum, decay) and count an AdamW step
         self.progress.at("end of step")  # the loss and the small all-gather below
-        loss = self._all_reduce(loss_sum).item() / global_tokens
+        loss_sum = self._all_reduce(loss_sum).item()
+        loss = loss_sum / global_tokens if global_tokens else math.nan
         blocked_s = self.comm.recorder.settle() - blocked0  # the loss's .item() has waited for the GPU
         peak, stop, ranks = self._gather_over_ranks(self.memory.last_peak, self.stop_signals.number
                                                     if self.stop_signals is not None else 0,
@@ -288,7 +296,11 @@ class Trainer:
                 row["nonfinite_skipped"] = self.nonfinite_skipped
                 self.metrics.print(f"warning: {result.nonfinite}; update skipped "
                                    f"({self.nonfinite_skipped} so far, train.on_nonfinite=skip)")
-            if self.pipeline is not None:  # measured bubble beside the simulator's (collective over pp)
+            if not result.target_tokens:
+                row["empty_skipped"] = self.empty_skipped
+                self.metrics.print(f"warning: step {self.step}: no target token in the global batch (all "
+                                   f"ignored); no update ({self.empty_skipped} such steps so far)")
+            elif self.pipeline is not None:  # measured bubble beside the simulator's (collective over pp)
                 row.update(self.pipeline.step_metrics())
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                 row.update(self.eval_losses())

@@ -77,7 +77,8 @@ def _meta(trainer, shapes) -> dict:
     from meshlm.train.optim import lr_at
 
     cfg = trainer.cfg
-    return {"step": trainer.step, "nonfinite_skipped": trainer.nonfinite_skipped, "next_lr": lr_at(trainer.step, cfg.train),
+    return {"step": trainer.step, "nonfinite_skipped": trainer.nonfinite_skipped, "empty_skipped": trainer.empty_skipped,
+            "next_lr": lr_at(trainer.step, cfg.train),
             "data": trainer.loader.state_dict(), "seed": cfg.run.seed,
             "layout": layout_of(cfg, trainer.ctx.world_size), "model": dataclasses.asdict(cfg.model),
             "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
@@ -245,9 +246,11 @@ def _new_adam_state(master: torch.Tensor, step: int, group: dict) -> dict:
 def load_weights(trainer, reader, optimizer_state: bool) -> None:
     """Fill this rank's master weights (and AdamW state) with the rectangles it owns, then let the
     engine rebuild what derives from them (bf16 copies, other ranks' ZeRO slices)."""
-    # AdamW steps once per training step it applied: not on steps train.on_nonfinite=skip dropped
-    # (its bias correction reads the count). Checkpoints before the key skipped none or did not say.
-    step = reader.meta["step"] - reader.meta.get("nonfinite_skipped", 0) if optimizer_state else 0
+    # AdamW steps once per training step it applied: not on steps train.on_nonfinite=skip dropped,
+    # nor on steps without a target token (its bias correction reads the count). Checkpoints
+    # before the keys skipped none or did not say.
+    skipped = reader.meta.get("nonfinite_skipped", 0) + reader.meta.get("empty_skipped", 0)
+    step = reader.meta["step"] - skipped if optimizer_state else 0
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
     group_of = ({id(p): g for g in optimizer.param_groups for p in g["params"]}
                 if optimizer_state and optimizer is not None else {})  # None: a stage without parameters
@@ -285,6 +288,7 @@ def load_checkpoint(trainer, path: Path) -> dict:
     trainer.loader.load_state_dict(reader.meta["data"])
     trainer.step = reader.meta["step"]
     trainer.nonfinite_skipped = reader.meta.get("nonfinite_skipped", 0)
+    trainer.empty_skipped = reader.meta.get("empty_skipped", 0)
     if trainer.loader.next_step != trainer.step:
         raise CheckpointError(f"{path}: data position {reader.meta['data']['consumed_samples']} samples does not "
                               f"match step {trainer.step}")
