@@ -316,7 +316,8 @@ def plain_pytorch_reference(cfg: Config, loader_cls: type[TokenLoader] = Unevenl
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        if t.grad_clip > 0:  # 0 is clipping off (torch's max_norm=0 would zero every gradient)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr(step)
         optimizer.step()

@@ -52,6 +52,13 @@ def test_accumulation_equals_a_plain_pytorch_loop(corpus, tmp_path, plain_loop, 
     assert plain_loop[1][-1] < plain_loop[1][0]  # and it learns
 
 
+def test_grad_clip_zero_is_clipping_off_in_the_trainer_and_its_reference(corpus, tmp_path):
+    cfg = make_cfg(corpus, tmp_path, 1, "train.grad_clip=0")
+    reference = plain_pytorch_reference(cfg, UnevenlyMaskedLoader, n_steps=3)
+    assert reference[1][-1] < reference[1][0]  # it trains: no gradient was zeroed
+    assert_close(reference, grads_then_steps(cfg, loader_cls=UnevenlyMaskedLoader))
+
+
 def _dp_rank(corpus, run_dir, world_size, loader_cls=None):
     return grads_then_steps(make_cfg(corpus, run_dir, world_size), loader_cls=loader_cls)
 
