@@ -237,8 +237,26 @@ def test_peak_lookup_and_mfu():
     assert peak_tflops_for_name("NVIDIA A100-SXM4-80GB", "float32") == 156.0
     assert peak_tflops_for_name("NVIDIA A10G", "bfloat16") == 125.0
     assert peak_tflops_for_name("NVIDIA L4", "bfloat16") == 121.0
+    assert peak_tflops_for_name("NVIDIA L40", "bfloat16") == 181.0  # not the L4's: keys are whole words
+    assert peak_tflops_for_name("NVIDIA L40S", "bfloat16") == 362.0
+    assert peak_tflops_for_name("NVIDIA GH200 480GB", "bfloat16") == 989.0
     assert peak_tflops_for_name("Some Future GPU", "bfloat16") is None
     assert device_peak_tflops(torch.device("cpu"), "bfloat16") is None
+
+
+def test_fp32_mfu_on_a_gpu_needs_tf32(monkeypatch):
+    """fp32 matmuls run as TF32 only when allowed; PyTorch's default ("highest") runs them on CUDA
+    cores, 7x below the TF32 peak on an H100: no MFU then, rather than one understated 7x."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")  # constructing it touches no GPU
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert device_peak_tflops(cuda, "float32") is None and device_peak_tflops(cuda, "bfloat16") == 989.0
+        torch.set_float32_matmul_precision("high")
+        assert device_peak_tflops(cuda, "float32") == 494.5
+    finally:
+        torch.set_float32_matmul_precision(before)
     assert mfu(1000.0, 1e9, 100.0, 2) == pytest.approx(0.005)
     assert mfu(1000.0, 1e9, None, 2) is None
 

@@ -29,16 +29,19 @@ to 2x; we keep the full count so that MFU figures compare with published ones, w
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from meshlm.config import ModelConfig
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s, with fp32 accumulation, from the
-# vendor datasheets. Keys are substrings of `torch.cuda.get_device_name()`; the longest match
-# wins, so "A100" beats "A10" and "H100 PCIe" beats "H100".
+# vendor datasheets. Keys are whole words of `torch.cuda.get_device_name()` (so "L4" is not found
+# in "L40"); the longest match wins, so "H100 PCIe" beats "H100".
 PEAK_TFLOPS: dict[str, float] = {
     "B200": 2250.0,
-    "H200": 989.0,  # GH200 matches this too: the same GPU
+    "H200": 989.0,
+    "GH200": 989.0,  # the H200's GPU
     "H100": 989.0,  # SXM; its name carries no form factor, e.g. "NVIDIA H100 80GB HBM3"
     "H100 NVL": 835.0,
     "H100 PCIe": 756.0,
@@ -47,13 +50,15 @@ PEAK_TFLOPS: dict[str, float] = {
     "A10G": 125.0,  # the A10 datasheet figure; AWS publishes none for the A10G
     "A10": 125.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
     "RTX 4090": 165.0,
 }
 
 # fp32 training on tensor cores runs as TF32, whose dense peak is half the bf16 one on every
-# device above. Without TF32 (torch.backends.cuda.matmul.allow_tf32 off) the real fp32 peak is
-# far lower, e.g. 67 TFLOP/s on an H100 SXM, and MFU against this figure is understated.
+# device above. Without TF32 (PyTorch's default: torch.get_float32_matmul_precision() "highest")
+# fp32 matmuls run on CUDA cores, e.g. 67 TFLOP/s on an H100 SXM, a figure not listed here: a
+# measured run then reports no MFU rather than one understated 7x (device_peak_tflops).
 _DTYPE_FACTOR = {"bfloat16": 1.0, "float16": 1.0, "float32": 0.5}
 
 
@@ -73,7 +78,7 @@ def peak_tflops_for_name(device_name: str, dtype: str) -> float | None:
     """Dense peak TFLOP/s for a CUDA device name and a dtype name; None for an unknown device."""
     if dtype not in _DTYPE_FACTOR:
         raise ValueError(f"dtype: expected one of {', '.join(_DTYPE_FACTOR)}, got {dtype!r}")
-    matches = [key for key in PEAK_TFLOPS if key in device_name]
+    matches = [key for key in PEAK_TFLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name)]
     if not matches:
         return None
     return PEAK_TFLOPS[max(matches, key=len)] * _DTYPE_FACTOR[dtype]
@@ -81,8 +86,8 @@ def peak_tflops_for_name(device_name: str, dtype: str) -> float | None:
 
 def device_peak_tflops(device: torch.device, dtype: str) -> float | None:
     """Dense peak TFLOP/s of `device` for `dtype`; None on CPU or an unlisted GPU."""
-    if device.type != "cuda":
-        return None
+    if device.type != "cuda" or (dtype == "float32" and torch.get_float32_matmul_precision() == "highest"):
+        return None  # (fp32 without TF32: see _DTYPE_FACTOR)
     return peak_tflops_for_name(torch.cuda.get_device_name(device), dtype)
 
 
