@@ -276,6 +276,10 @@ class Trainer:
         rows = []
         n_devices = self.ctx.world_size
         self.log.info("training %d steps, %d parameters", cfg.steps, sum(p.numel() for p in self.model.parameters()))
+        if cfg.warmup_steps >= cfg.steps and self.step < cfg.steps:
+            self.metrics.print(f"warning: train.warmup_steps={cfg.warmup_steps} >= train.steps={cfg.steps}: the "
+                               f"learning rate never leaves its warmup (it ends at {lr_at(cfg.steps - 1, cfg):.3g}, "
+                               f"not at train.lr, and never decays to min_lr)")
         for _ in range(self.step, cfg.steps):
             lr = lr_at(self.step, cfg)
             result = self.train_step()
