@@ -194,6 +194,25 @@ def one_line_error(capsys, args, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+def test_a_run_dir_in_use_by_another_train_is_refused_before_anything_is_read_or_written(
+        corpus, tmp_path, capsys, four_steps):
+    """Two trains in one run.dir resumed from each other's checkpoints and both wrote metrics and
+    final/: the second is refused (exit 2, naming the holder) before it reads a checkpoint or
+    writes config.toml; the nodes of one job lock apart; once released, the run goes on."""
+    from meshlm.train.run_lock import run_dir_lock
+
+    run_dir = copy_of(four_steps, tmp_path / "run")
+    config = (run_dir / "config.toml").read_text()
+    with run_dir_lock(run_dir):
+        one_line_error(capsys, train_args(corpus, run_dir, steps=6), f"run.dir: {run_dir} is in use by another "
+                       f"meshlm train (pid {os.getpid()} on ")
+        assert (run_dir / "config.toml").read_text() == config
+        with run_dir_lock(run_dir, node_rank=1):  # another node of the same job: its own lock
+            pass
+    proc = meshlm_in_process(*train_args(corpus, run_dir, steps=6))
+    assert "resuming from" in proc.stdout and [r["step"] for r in read_metrics(run_dir)][-1] == 6
+
+
 def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_steps):
     copy_of(four_steps, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"

@@ -60,13 +60,20 @@ def cmd_train(args) -> int:
     shortfall = local_gpu_shortfall(args.nproc, cfg.parallel.backend)
     if shortfall:
         return _fail_usage(": ".join(shortfall))
+    from meshlm.train.run_lock import run_dir_lock
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_dir_lock(run_dir, args.node_rank):  # one train per run.dir: before its checkpoints are read
+        return _train_locked(args, cfg, run_dir, world_size)
+
+
+def _train_locked(args, cfg, run_dir: Path, world_size: int) -> int:
     from meshlm.train.checkpoint.resume import precheck
     from meshlm.train.data import prepare_data
 
     # Before any rank starts: a requested checkpoint must be one, and fit this model (exit 2).
     resume_from = precheck(cfg, warn=lambda msg: print(msg, file=sys.stderr))
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     # Data is prepared once here, before ranks start, so N ranks never race to build the cache.
     prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
