@@ -157,6 +157,7 @@ def _meshlm(*args):
     (["train", "train.steps=abc"], "train.steps"),
     (["train", "parallel.zero=9"], "parallel.zero"),
     (["train", "--nproc", "2", "parallel.dp=1"], "world size"),
+    (["train", "train.steps=3", "--nproc", "2", "parallel.dp=1"], "world size"),  # an override after an option
     (["generate", "--checkpoint", "/no/such/dir"], "--checkpoint"),
     (["train", "--nnodes", "0"], "--nnodes"),
     (["generate", "--checkpoint", "/no/such/dir", "--temperature", "nan"], "--temperature"),

@@ -372,7 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     doctor_parser(sub)
     debug_parser(sub)
     _data_parser(sub)
-    args = parser.parse_args(argv)
+    # Overrides may come on both sides of an option (`train a=1 --nproc 2 b=2`): argparse leaves the
+    # ones after it over; they are overrides still, in order.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
                 "simulate": cmd_simulate, "plan": cmd_plan, "memory": cmd_memory,
                 "doctor": cmd_doctor, "debug": cmd_debug, "data": cmd_data}
