@@ -63,6 +63,22 @@ def test_bad_bench_arguments_are_one_line_on_stderr_and_nothing_on_stdout(capsys
     assert out == "" and err.startswith(f"meshlm bench {name}: error: ") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("name,flag,args", [
+    ("comm", "--save-profile", ["--sizes", "64K", "--save-profile", "/no/such/dir/p.json"]),
+    ("scaling", "--plot", ["--nproc", "1", "--plot", "/no/such/dir/s.png"]),
+    ("scaling", "--profile", ["--nproc", "1", "--profile", "/no/such/profile.json"]),
+    ("data", "--dir", ["--size-mb", "1", "--dir", "/no/such/dir"]),
+])
+def test_a_bench_output_or_input_path_that_cannot_serve_is_refused_before_the_work(capsys, name, flag, args):
+    """A traceback once, and for --save-profile and --plot only after the whole benchmark ran."""
+    from meshlm.cli import main
+
+    assert main(["bench", name, *args]) == 2
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert out == "" and line.startswith(f"meshlm bench {name}: error: {flag}: ") and "/no/such/" in line
+
+
 def test_steal_fraction_reads_the_eighth_cpu_column():
     from meshlm.bench.report import steal_fraction
 

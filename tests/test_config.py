@@ -143,6 +143,9 @@ def test_run_and_cache_directories_that_are_files_are_refused_by_name(tmp_path, 
     for key in ("run.dir", "data.cache_dir"):
         with pytest.raises(ConfigError, match=f"^{key}: .*afile exists and is not a directory"):
             resolve(load_config(None, [f"{key}={tmp_path / 'afile'}"]))
+        with pytest.raises(ConfigError, match=f"^{key}: .*afile/x/y cannot be made: .*afile is not a directory"):
+            resolve(load_config(None, [f"{key}={tmp_path / 'afile' / 'x' / 'y'}"]))  # was a traceback at mkdir
+    assert resolve(load_config(None, [f"run.dir={tmp_path / 'new' / 'run'}"])).run.dir  # to be made: fine
     monkeypatch.setenv("HOME", str(tmp_path))  # data.path with ~, as the corpus reader reads it
     (tmp_path / "corpus.txt").write_text("some text\n")
     assert resolve(load_config(None, ["data.path=~/corpus.txt"])).data.path == "~/corpus.txt"

@@ -392,6 +392,9 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert not (run_dir / "final").exists()
     assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--force"]) == 0
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == final
+    (tmp_path / "afile").write_text("")
+    line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "afile" / "x"), code=2)
+    assert line.startswith(f"meshlm: error: --out: {tmp_path / 'afile' / 'x'} cannot be made")  # was a traceback
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new"), code=2)
     assert line.startswith("meshlm: error: --hf: ")

@@ -349,8 +349,11 @@ def validate(cfg: Config, world_size: int) -> None:
     if d.path is not None:  # ~ as the corpus reader and data.blend read it
         _require(Path(d.path).expanduser().exists(), f"data.path: {d.path} does not exist")
     for key, where in (("run.dir", cfg.run.dir), ("data.cache_dir", d.cache_dir)):
-        _require(where is None or not Path(where).expanduser().exists() or Path(where).expanduser().is_dir(),
-                 f"{key}: {where} exists and is not a directory")
+        if where is not None:  # it, or the nearest part of its path that exists, must be a directory
+            path = Path(where).expanduser().absolute()
+            found = next(p for p in (path, *path.parents) if p.exists())
+            _require(found.is_dir(), f"{key}: {where} exists and is not a directory" if found == path
+                     else f"{key}: {where} cannot be made: {found} is not a directory")
     if d.blend is not None:  # [[weight, path], ...]: the shape, positive weights, existing paths
         from meshlm.data.blend import parse_blend
 

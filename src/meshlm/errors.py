@@ -2,6 +2,7 @@
 (exit 1). At the bottom of the import graph, so any layer can raise them."""
 
 import sys
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -10,6 +11,15 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A runtime failure the user can act on (e.g. no usable checkpoint): one line, exit 1."""
+
+
+def unwritable(path: str | None, flag: str) -> str | None:
+    """Why the output file `path` cannot be written, naming `flag` (its directory does not exist,
+    or is a file), or None: checked before the work whose result it would hold."""
+    if path is None:
+        return None
+    parent = Path(path).expanduser().absolute().parent
+    return None if parent.is_dir() else f"{flag}: {parent} is not a directory"
 
 
 def usage_error(message: str) -> int:

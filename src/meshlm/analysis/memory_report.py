@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import re
-from pathlib import Path
 
 from meshlm.analysis.memory import RANK_FIELDS, MemoryReport, predict, rank_points
 from meshlm.config import Config, ConfigError, load_config, resolve
+from meshlm.errors import unwritable
 from meshlm.train.metrics import format_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -158,8 +158,9 @@ def run(args) -> int:
     backend = args.backend
     cfg = layout_config(args.config, args.overrides)
     capacity = parse_bytes(args.device_memory) if args.device_memory else visible_device_memory()
-    if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():
-        raise ConfigError(f"--plot: {Path(args.plot).parent} is not a directory")
+    problem = unwritable(args.plot, "--plot")
+    if problem:
+        raise ConfigError(problem)
     report = predict(cfg, backend)
     fits = capacity is None or report.peak_bytes <= capacity
     advice = [] if fits else suggestions(cfg, capacity, backend)

@@ -28,9 +28,9 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Sequence
 
+from meshlm.errors import unwritable
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, REDUCE_GRADS, SCHEDULES, Instruction,
                                                 PipelineShape, ScheduleError, build_schedule, p2p_batches,
                                                 peak_in_flight)
@@ -331,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and not args.out.lower().endswith((".png", ".svg")):
         print("meshlm: error: --out: the file name must end in .png or .svg", file=sys.stderr)
         return 2
-    if args.out and not Path(args.out).expanduser().resolve().parent.is_dir():
-        print(f"meshlm: error: --out: {Path(args.out).parent} is not a directory", file=sys.stderr)
+    problem = unwritable(args.out, "--out")
+    if problem:
+        print(f"meshlm: error: {problem}", file=sys.stderr)
         return 2
     if not 0 <= args.weight_fraction < 1:
         print("meshlm: error: --weight-fraction: must be in [0, 1)", file=sys.stderr)

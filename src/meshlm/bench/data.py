@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if opts.size_mb < 1 or opts.reference_mb < 1 or opts.pairs < 1 or opts.workers < 0:
         print("meshlm bench data: --size-mb, --reference-mb and --pairs must be >= 1, --workers >= 0", file=sys.stderr)
         return 2
+    if opts.dir is not None and not Path(opts.dir).expanduser().is_dir():
+        print(f"meshlm bench data: error: --dir: {opts.dir} is not a directory", file=sys.stderr)
+        return 2
     result = run(opts)
     if opts.json:
         print(json.dumps(result, indent=1))

@@ -40,6 +40,7 @@ from meshlm.bench.dp import reference_label
 from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, prepare_cpu_rank,
                                   steal_fraction, usable_cores)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
+from meshlm.errors import unwritable
 
 # engine -> (meshlm's label, the reference, the ZeRO stage of bench dp's engines; None: TP)
 ENGINES = {"ddp": ("meshlm DDP", "torch DDP", 0), "zero3": ("meshlm ZeRO-3", "fully_shard", 3),
@@ -256,6 +257,9 @@ def _parse(argv):
     opts.engines = [e for e in ENGINES if e in names]
     if worlds[0] < 1 or min(opts.steps, opts.warmup + 1, opts.batch, opts.seq) < 1:
         p.error("--nproc, --steps, --batch and --seq must be >= 1, --warmup >= 0")
+    problem = unwritable(opts.plot, "--plot")
+    if problem:
+        p.error(problem)
     opts.added_one = 1 not in worlds
     opts.worlds = sorted({1, *worlds})
     opts.global_batch = opts.global_batch or opts.batch * opts.worlds[-1]
@@ -317,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         opts.cfg = resolve(load_config(None, base))
         # forked ranks share this host: meshlm's collectives go through shared memory, unless disabled
         local = "cpu-shm" if os.environ.get("MESHLM_SHM_DISABLE", "0") in ("", "0") else "cpu-loopback"
-        links = load_profile(opts.profile) if opts.profile else HARDWARE[local]
-    except (ConfigError, OSError, KeyError, ValueError) as e:
+        try:
+            links = load_profile(opts.profile) if opts.profile else HARDWARE[local]
+        except (OSError, KeyError, ValueError) as e:
+            raise ConfigError(f"--profile: cannot read {opts.profile}: {e}") from None
+    except ConfigError as e:
         print(f"meshlm bench scaling: error: {e}", file=sys.stderr)
         return 2
     skips = _tp_skips(opts, base)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from meshlm.comm.cost import (HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time,
                               save_profile, steps)
 from meshlm.comm.recorder import FlightRecorder
+from meshlm.errors import unwritable
 from meshlm.comm.traced import P2P, Comm, all_gather_single, reduce_scatter_single
 from meshlm.mesh import Layout, ParallelContext, default_backend
 
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                (["--nproc: needs at least 2 ranks"] if args.nproc < 2 else []) + \
                (["--trials and --max-iters: must be >= 1"] if min(args.trials, args.max_iters) < 1 else []) + \
                (["--sizes: no message sizes"] if not sizes else []) + \
-               (["--profile and --preset: choose one"] if args.profile and args.preset else [])
+               (["--profile and --preset: choose one"] if args.profile and args.preset else []) + \
+               [problem for problem in [unwritable(args.save_profile, "--save-profile")] if problem]
     if problems:
         print(f"meshlm bench comm: error: {problems[0]}", file=sys.stderr)
         return 2

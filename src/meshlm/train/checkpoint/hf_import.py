@@ -58,8 +58,8 @@ def import_hf(source: Path, run_dir: Path, replace: bool = False) -> Path:
     try:
         cfg = resolve(cfg)
         reader = open_weights(source, cfg.model)
-    except ConfigError as e:  # the user named the directory --hf, not model.init_from
-        raise ConfigError(str(e).replace("model.init_from:", "--hf:", 1)) from None
+    except ConfigError as e:  # the user named the directories --hf and --out, not model.init_from, run.dir
+        raise ConfigError(str(e).replace("model.init_from:", "--hf:", 1).replace("run.dir:", "--out:", 1)) from None
     cfg.train.seq_len = min(seq_len, cfg.model.max_seq_len)
     model = Llama(cfg.model)
     with torch.no_grad():

@@ -249,8 +249,8 @@ def load_weights(trainer, reader, optimizer_state: bool) -> None:
     # AdamW steps once per training step it applied: not on steps train.on_nonfinite=skip dropped,
     # nor on steps without a target token (its bias correction reads the count). Checkpoints
     # before the keys skipped none or did not say.
-    skipped = reader.meta.get("nonfinite_skipped", 0) + reader.meta.get("empty_skipped", 0)
-    step = reader.meta["step"] - skipped if optimizer_state else 0
+    step = (reader.meta["step"] - reader.meta.get("nonfinite_skipped", 0) - reader.meta.get("empty_skipped", 0)
+            if optimizer_state else 0)
     optimizer = trainer.dp.optim.optimizer if _segments(trainer.dp) else None
     group_of = ({id(p): g for g in optimizer.param_groups for p in g["params"]}
                 if optimizer_state and optimizer is not None else {})  # None: a stage without parameters
