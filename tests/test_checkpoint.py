@@ -94,6 +94,39 @@ def test_resume_after_a_skipped_nonfinite_step_is_bitwise_exact(corpus, tmp_path
     assert first[1:] + rest == straight[1:]  # tolerance 0
 
 
+def _with_an_empty_step_1(corpus, run_dir, start, stop, save):
+    """train_segment with step 1's global batch all ignored: no update, AdamW a step behind."""
+    from helpers import UnevenlyMaskedLoader
+
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
+
+    class EmptyStep1(UnevenlyMaskedLoader):
+        def _rows(self, step, first, count):
+            inputs, targets = super()._rows(step, first, count)
+            return (inputs, torch.full_like(targets, -100)) if step == 1 else (inputs, targets)
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, 1, *UNTIED, steps=STEPS), EmptyStep1)
+    if start is not None:
+        load_checkpoint(trainer, start)
+    losses = []
+    while trainer.step < stop:
+        losses.append(trainer.train_step().loss)
+    if save:
+        save_checkpoint(trainer, run_dir / "checkpoints", keep=2)
+    return losses
+
+
+def test_resume_after_a_step_without_target_tokens_is_bitwise_exact(corpus, tmp_path):
+    """As after a skipped non-finite step: AdamW's count, which its bias correction reads, is the
+    training step less the steps without an update, restored from the checkpoint."""
+    straight = _with_an_empty_step_1(corpus, tmp_path / "straight", None, STEPS, False)
+    first = _with_an_empty_step_1(corpus, tmp_path, None, SAVE_AT, True)
+    rest = _with_an_empty_step_1(corpus, tmp_path / "again", tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}",
+                                 STEPS, False)
+    assert first[1] != first[1]  # the empty step's loss: NaN
+    assert [first[0], *first[2:], *rest] == [straight[0], *straight[2:]]  # tolerance 0
+
+
 def _resume_older_slowly(corpus, run_dir, older):
     """Resume `older` (a newer checkpoint beside it), rank 1 slower to open it than rank 0."""
     import time
