@@ -73,6 +73,7 @@ def test_killed_rank_is_restarted_and_training_continues(corpus, tmp_path, strai
     proc = run_meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_rank=1", "debug.fault_step=3"),
                       "--nproc", "2", "--max-restarts", "1")
     assert "resumed from" in proc.stdout
+    assert "meshlm: a rank died: restart 1 of 1, from the newest checkpoint" in proc.stderr  # not silent
     assert losses(tmp_path) == pytest.approx(straight, abs=1e-5, rel=0)
     no_rank_left(tmp_path)
 

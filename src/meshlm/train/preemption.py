@@ -71,9 +71,12 @@ class StopSignals:
                 os._exit(130)
             return
         self.received = sig
-        again = " (Ctrl-C again to exit now)" if sig == signal.SIGINT else ""
-        print(f"meshlm: {sig.name}: saving a checkpoint after this step, then exiting{again}",
-              file=sys.stderr, flush=True)
+        # Said at once only for Ctrl-C (the user's), once per node: torchrun's agent also SIGTERMs
+        # the ranks left when one failed, where "saving a checkpoint" would be false. A stop that
+        # happens is said where it happens (Trainer.fit: "stopped after step N ...").
+        if sig == signal.SIGINT and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print("meshlm: Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again to exit now)",
+                  file=sys.stderr, flush=True)
         self._timer = threading.Timer(self.timeout_s, self._give_up)
         self._timer.daemon = True
         self._timer.start()

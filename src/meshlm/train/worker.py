@@ -139,6 +139,9 @@ def init_process_group(backend: str, timeout) -> None:
     addresses under the same keys: connecting to them hangs. Each attempt gets its own key prefix.
     `timeout`: the backend's own, longer than meshlm's watchdog (debug/watchdog.py)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and int(os.environ.get("RANK", "0")) == 0:  # the agent's own report is silenced (launch.py)
+        print(f"meshlm: a rank died: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, "
+              f"from the newest checkpoint", file=sys.stderr, flush=True)
     if restart == 0:
         dist.init_process_group(backend, timeout=timeout)
         return
