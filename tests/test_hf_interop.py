@@ -246,6 +246,19 @@ def test_config_comes_from_the_source_and_contradictions_name_the_key(corpus, tm
             small_cfg(corpus, tmp_path, 1, f"model.init_from={source}", f"model.dim={dim}")
 
 
+def test_init_from_a_run_directory_starts_from_its_newest_checkpoint(corpus, saved, tmp_path, capsys):
+    """As generate and export take a run directory; config.toml records the checkpoint it meant.
+    A run's final/ is refused with the way round, naming the key."""
+    from meshlm.train.weights import save_final
+
+    run_dir, checkpoint, _ = saved("single-untied")
+    cfg = small_cfg(corpus, tmp_path, 1, f"model.init_from={run_dir}")
+    assert cfg.model.init_from == str(checkpoint)
+    save_final(scaled_weights(cfg.model), cfg, checkpoint / "tokenizer.json", tmp_path / "done")
+    with pytest.raises(ConfigError, match=r"^model\.init_from: .*final is a meshlm final/ directory: start from"):
+        small_cfg(corpus, tmp_path, 1, f"model.init_from={tmp_path / 'done' / 'final'}")
+
+
 def test_training_from_an_export_equals_training_from_its_checkpoint(corpus, saved, tmp_path):
     """Weights-only start from the checkpoint and from its export: the same losses, bit for bit
     (the export is exact fp32). Also through `meshlm train`: step 0 on, the same first loss."""

@@ -297,9 +297,10 @@ def _take_init_source(cfg: Config) -> None:
     """model.init_from: the source's shape becomes the model's, and its tokenizer (if it has one)
     the data's unless data.tokenizer names another. An override that contradicts the source is
     an error naming the key (model.norm_eps has a default, not None, so it is simply taken)."""
-    from meshlm.train.checkpoint.hf import init_source_fields
+    from meshlm.train.checkpoint.hf import init_source, init_source_fields
 
-    source = Path(cfg.model.init_from)
+    source = init_source(Path(cfg.model.init_from))
+    cfg.model.init_from = str(source)  # a run directory: its newest checkpoint, recorded in config.toml
     for name, value in init_source_fields(source).items():
         ours = getattr(cfg.model, name)
         if name != "norm_eps" and ours is not None and ours != value:

@@ -146,6 +146,23 @@ def model_fields_from_hf(hf: dict, where: Path) -> dict:
     return fields
 
 
+def init_source(path: Path) -> Path:
+    """What model.init_from names, as the directory to read: a meshlm run directory stands for its
+    newest complete checkpoint (as `generate` and `export` take one); a run's final/ (one
+    safetensors file under meshlm's names, which no reader here takes) is refused with the way round."""
+    from meshlm.train.checkpoint.store import list_checkpoints
+
+    if (path / HF_CONFIG).is_file() or is_meshlm_checkpoint(path):
+        return path
+    complete = [p for p in list_checkpoints(path / "checkpoints") if is_meshlm_checkpoint(p)]
+    if complete:
+        return complete[-1]
+    if (path / "model.safetensors").is_file() and (path / "config.toml").is_file():
+        raise ConfigError(f"model.init_from: {path} is a meshlm final/ directory: start from one of its run's "
+                          f"checkpoints, or from its Hugging Face export (meshlm export --checkpoint {path} --out DIR)")
+    return path
+
+
 def init_source_fields(path: Path) -> dict:
     """The ModelConfig fields of an init_from source: a Hugging Face directory's config.json, or
     the model a meshlm checkpoint was trained with (its meta.json)."""
