@@ -53,3 +53,19 @@ def test_peak_memory_of_a_step_includes_state_and_transients():
         tmp2 = torch.ones(64, 256)       # 65536 B, after tmp was freed
         del tmp2
     assert meter.last_peak == 262144 + 131072
+
+
+def test_the_console_shows_the_first_every_interval_th_evaluated_and_last_step(tmp_path):
+    """The last step's loss is the run's result: shown even where log_interval does not divide
+    the step count (`train.steps=3 train.log_interval=2` printed step 1 only; nothing of the end)."""
+    import io
+
+    from meshlm.train.metrics import MetricsWriter
+
+    stream = io.StringIO()
+    writer = MetricsWriter(tmp_path, total_steps=7, log_interval=3, active=True, stream=stream)
+    for step in range(1, 8):
+        writer.log_step({"step": step, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                         "step_time_s": 1.0, "tflops": 1.0, **({"eval_loss": 2.0} if step == 5 else {})})
+    shown = [int(line.split()[1]) for line in stream.getvalue().splitlines()]
+    assert shown == [1, 3, 5, 6, 7]

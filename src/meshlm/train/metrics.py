@@ -58,6 +58,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, total_steps: int, log_interval: int, active: bool, stream=None) -> None:
         self.active = active
         self.log_interval = log_interval
+        self.total_steps = total_steps
         self.stream = stream or sys.stdout
         self._jsonl = None
         self._bar = None
@@ -106,10 +107,15 @@ class MetricsWriter:
             self._bar.update(1)
             postfix = f"loss {row['loss']:.3f}" + (f" eval {row['eval_loss']:.3f}" if row.get("eval_loss") else "")
             self._bar.set_postfix_str(postfix + f" {row['tokens_per_s']:,.0f} tok/s")
-            if row["step"] % self.log_interval == 0 or row.get("eval_loss") is not None:
+            if self._shown(row):
                 self._bar.write(format_step(row))
-        elif row["step"] % self.log_interval == 0 or row["step"] == 1 or row.get("eval_loss") is not None:
+        elif self._shown(row) or row["step"] == 1:
             print(format_step(row), file=self.stream, flush=True)
+
+    def _shown(self, row: dict[str, Any]) -> bool:
+        """Every log_interval-th step, an evaluated one, and the last (its loss is the run's result)."""
+        step = row["step"]
+        return step % self.log_interval == 0 or step == self.total_steps or row.get("eval_loss") is not None
 
     def print(self, text: str) -> None:
         if not self.active:
