@@ -92,6 +92,10 @@ def test_a_rank_without_a_dump_is_a_crash(tmp_path):
     assert v["verdict"] == "crash" and v["ranks"] == [1]
 
 
+JSON_KEYS = {"verdict", "line", "ranks", "group", "group_ranks", "seq", "op", "step", "details", "dumps",
+             "missing_dumps"}
+
+
 def test_a_finished_run_is_ok_and_no_data_is_none(tmp_path):
     assert analyze(tmp_path)["verdict"] == "none"
     (tmp_path / "logs").mkdir()
@@ -102,6 +106,7 @@ def test_a_finished_run_is_ok_and_no_data_is_none(tmp_path):
     (tmp_path / "debug" / "rank_notes.json").write_text('{"note": "not a dump"}')  # read past, not a KeyError
     (tmp_path / "debug" / "rank9.json").write_text('[1, 2]')
     assert analyze(tmp_path)["verdict"] == "ok"
+    assert JSON_KEYS <= set(analyze(tmp_path))  # every key in every verdict (docs/debugging.md)
 
 
 def test_a_finished_run_missing_a_ranks_recorder_file_is_incomplete_not_ok(tmp_path):
@@ -155,6 +160,7 @@ def test_a_gpu_hang_is_attributed_from_how_far_each_rank_queued(tmp_path):
     _gpu_dumps(tmp_path / "hang", {0: 6, 1: 5, 2: 6})
     result = analyze(tmp_path / "hang")
     assert (result["verdict"], result["ranks"], result["seq"], result["group"]) == ("hang", [1], 5, "cp+dp")
+    assert JSON_KEYS <= set(result)
     _gpu_dumps(tmp_path / "even", {0: 6, 1: 6})  # every rank queued as far: nothing to blame on one
     assert analyze(tmp_path / "even")["verdict"] == "unknown"
 

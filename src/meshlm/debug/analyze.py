@@ -213,7 +213,7 @@ def analyze(run_dir: Path | str) -> dict:
     result["details"] = result["details"] + [_rank_line(d) for _, d in sorted(dumps.items())]
     if result.get("step") is None:
         result["step"] = max((d.get("step") or 0) for d in dumps.values()) + 1
-    for key in ("group", "seq", "op"):
+    for key in ("group", "group_ranks", "seq", "op"):
         result.setdefault(key, None)
     return result
 
@@ -253,7 +253,8 @@ def analyze_finished(run_dir: Path) -> dict:
     elif result is None:
         result = {"verdict": "ok", "ranks": [], "group": None, "seq": None, "op": None,
                   "line": f"ok: {len(files)} ranks' collectives agree (no dump: nothing timed out or failed)"}
-    result.update(step=None, details=[], dumps=[])
+    result.update(step=None, details=[], dumps=[], missing_dumps=[])
+    result.setdefault("group_ranks", None)
     return result
 
 
