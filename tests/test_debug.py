@@ -281,6 +281,25 @@ def test_a_rank_slower_for_three_steps_is_named_once():
     assert len(warnings) == 2 and "rank 1" in warnings[1]
 
 
+def test_a_straggler_is_slower_than_the_ranks_doing_its_work_not_than_other_stages():
+    """dp2 x pp2: the last stage (head and loss) works twice as long as the first by design. Only a
+    rank slower than its own stage's other ranks is named; a stage of one rank is compared with none."""
+    warnings = []
+    stages = [[0, 1], [2, 3]]
+    by_design = StragglerDetector(0.2, patience=3, warn=warnings.append)
+    for s in range(5):
+        fields = by_design.observe(s, [0.10, 0.10, 0.20, 0.21], stages)
+    assert warnings == [] and fields["slowest_rank"] == 3  # the row still names the slowest of all
+    slow = StragglerDetector(0.2, patience=3, warn=warnings.append)
+    for s in range(3):
+        slow.observe(s, [0.10, 0.10, 0.20, 0.30], stages)
+    assert len(warnings) == 1 and "rank 3 worked 50% longer" in warnings[0]
+    alone = StragglerDetector(0.2, patience=3, warn=warnings.append)
+    for s in range(5):  # pp2 alone
+        alone.observe(s, [0.10, 0.30], [[0], [1]])
+    assert len(warnings) == 1
+
+
 def test_oom_report_names_rank_phase_categories_and_changes_that_fit(corpus, tmp_path):
     cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2", "train.micro_batch_size=4")
     assert [c for c, _ in candidate_changes(cfg)][:3] == ["parallel.zero=1", "train.recompute=full",

@@ -8,6 +8,10 @@ per-step gather the trainer already makes for peak memory and stop signals.
 
 On CUDA the blocked time is the host's: NCCL kernels queue without blocking, so a GPU-side
 straggler shows up only where the host waits (the step's synchronisation).
+
+A rank is compared with the ranks that do the same work (`peers`: one pipeline stage's ranks):
+the last stage, which also runs the head and the loss, is slower than the first by design, not
+a straggler; a stage run by one rank alone has nobody to be compared with.
 """
 
 from __future__ import annotations
@@ -23,19 +27,28 @@ class StragglerDetector:
         self._streak: dict[int, int] = {}
         self._warned: set[int] = set()
 
-    def observe(self, step: int, busy_s: list[float]) -> dict:
-        """busy_s[r]: rank r's working time in this step. Returns the row's straggler fields."""
+    def observe(self, step: int, busy_s: list[float], peers: list[list[int]] | None = None) -> dict:
+        """busy_s[r]: rank r's working time in this step; `peers`: groups of ranks doing the same
+        work (default: all). Returns the row's straggler fields (slowest and fastest of all)."""
         slowest = max(range(len(busy_s)), key=busy_s.__getitem__)
         fastest = min(range(len(busy_s)), key=busy_s.__getitem__)
-        others = statistics.median(b for r, b in enumerate(busy_s) if r != slowest)
-        if others > 0 and busy_s[slowest] > (1 + self.threshold) * others:
-            self._streak = {slowest: self._streak.get(slowest, 0) + 1}
+        # the rank furthest above the median of its own peers
+        group_of = {r: g for g in (peers or [list(range(len(busy_s)))]) for r in g}
+        ratios = {}
+        for r, b in enumerate(busy_s):
+            others = [busy_s[q] for q in group_of[r] if q != r]
+            if others and statistics.median(others) > 0:
+                ratios[r] = (b / statistics.median(others), statistics.median(others))
+        suspect = max(ratios, key=lambda r: ratios[r][0]) if ratios else None
+        if suspect is not None and ratios[suspect][0] > 1 + self.threshold:
+            self._streak = {suspect: self._streak.get(suspect, 0) + 1}
         else:
             self._streak = {}
-        if self._streak.get(slowest, 0) >= self.patience and slowest not in self._warned:
-            self._warned.add(slowest)
-            self.warn(f"warning: straggler: rank {slowest} worked {busy_s[slowest] / others - 1:.0%} longer than "
-                      f"the other ranks' median for {self.patience} steps (step {step}: {busy_s[slowest]:.3f} s vs "
+        if suspect is not None and self._streak.get(suspect, 0) >= self.patience and suspect not in self._warned:
+            self._warned.add(suspect)
+            ratio, others = ratios[suspect]
+            self.warn(f"warning: straggler: rank {suspect} worked {ratio - 1:.0%} longer than the median of the "
+                      f"ranks doing its work for {self.patience} steps (step {step}: {busy_s[suspect]:.3f} s vs "
                       f"{others:.3f} s); the others wait for it in every collective: check its device, node and load")
         return {"slowest_rank": slowest, "slowest_rank_s": busy_s[slowest],
                 "fastest_rank": fastest, "fastest_rank_s": busy_s[fastest]}

@@ -230,7 +230,7 @@ class Trainer:
         every = every.view(-1, len(mine)).tolist()
         check_fingerprints([row[3] for row in every], self._same_work_ranks, self.step + 1)
         check_fingerprints([row[5] for row in every], self._pipelines, self.step + 1)
-        ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every])
+        ranks = self.stragglers.observe(self.step + 1, [row[2] for row in every], self._same_work_ranks)
         # Communication the step did not hide behind computation, the ranks' mean: host time blocked
         # in collectives (gloo), or the time the GPU's streams stalled on them (NCCL; recorder.settle).
         ranks["comm_exposed_s"] = sum(row[4] for row in every) / len(every)
