@@ -8,7 +8,7 @@ import torch
 
 from meshlm.testing import run_ranks
 
-from helpers import build_trainer, small_cfg
+from helpers import UnevenlyMaskedLoader, build_trainer, small_cfg
 
 STEPS = 5
 SAVE_AT = 2
@@ -42,12 +42,12 @@ LAYOUTS = {
 }
 
 
-def train_segment(corpus, run_dir, world_size, extra, start: Path | None, stop: int, save: bool):
-    """Build a trainer for `extra`, load `start` if given, train to step `stop`, optionally save.
-    Returns (losses of the steps run, rank)."""
+def train_segment(corpus, run_dir, world_size, extra, start: Path | None, stop: int, save: bool, loader_cls=None):
+    """Build a trainer for `extra` (with `loader_cls`'s batches if given), load `start` if given,
+    train to step `stop`, optionally save. Returns (losses of the steps run, rank)."""
     from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
 
-    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, *extra, steps=STEPS))
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, *extra, steps=STEPS), loader_cls)
     if start is not None:
         load_checkpoint(trainer, start)
     losses = []
@@ -94,26 +94,16 @@ def test_resume_after_a_skipped_nonfinite_step_is_bitwise_exact(corpus, tmp_path
     assert first[1:] + rest == straight[1:]  # tolerance 0
 
 
+class _EmptyStep1(UnevenlyMaskedLoader):
+    """Step 1's global batch all ignored: no update there, AdamW a step behind the training step."""
+
+    def _rows(self, step, first, count):
+        inputs, targets = super()._rows(step, first, count)
+        return (inputs, torch.full_like(targets, -100)) if step == 1 else (inputs, targets)
+
+
 def _with_an_empty_step_1(corpus, run_dir, start, stop, save):
-    """train_segment with step 1's global batch all ignored: no update, AdamW a step behind."""
-    from helpers import UnevenlyMaskedLoader
-
-    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
-
-    class EmptyStep1(UnevenlyMaskedLoader):
-        def _rows(self, step, first, count):
-            inputs, targets = super()._rows(step, first, count)
-            return (inputs, torch.full_like(targets, -100)) if step == 1 else (inputs, targets)
-
-    trainer = build_trainer(small_cfg(corpus, run_dir, 1, *UNTIED, steps=STEPS), EmptyStep1)
-    if start is not None:
-        load_checkpoint(trainer, start)
-    losses = []
-    while trainer.step < stop:
-        losses.append(trainer.train_step().loss)
-    if save:
-        save_checkpoint(trainer, run_dir / "checkpoints", keep=2)
-    return losses
+    return train_segment(corpus, run_dir, 1, UNTIED, start, stop, save, _EmptyStep1)[0]
 
 
 def test_resume_after_a_step_without_target_tokens_is_bitwise_exact(corpus, tmp_path):

@@ -41,6 +41,18 @@ def start_node(corpus, run_dir, node_rank: int, port: int, *extra: str) -> subpr
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def run_two_nodes(corpus, tmp_path, *extra: str, timeout: float) -> tuple[dict, dict, dict]:
+    """Two launchers, node 1 started first, each with its own run.dir: (dirs, outputs, exit codes)."""
+    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
+    nodes = {r: start_node(corpus, dirs[r], r, port, *extra) for r in dirs}
+    try:
+        out = {r: node.communicate(timeout=timeout) for r, node in nodes.items()}
+    finally:
+        for node in nodes.values():
+            node.kill()
+    return dirs, out, {r: node.returncode for r, node in nodes.items()}
+
+
 def test_two_nodes_through_torchrun_follow_the_single_process_loss_curve_and_both_exit_zero(
         corpus, single_cli_run, tmp_path):
     """Two ranks through torchrun with the same checks as the `--nproc 2` run this file had (loss,
@@ -50,14 +62,8 @@ def test_two_nodes_through_torchrun_follow_the_single_process_loss_curve_and_bot
     Node 1 starts first: the rendezvous orders nodes by host name and launcher pid, so global rank
     0 runs on node 1, the case where node 0 went on to print a sample from a final/ it did not
     have and exited 2."""
-    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
-    nodes = {r: start_node(corpus, dirs[r], r, port) for r in dirs}
-    try:
-        out = {r: node.communicate(timeout=240) for r, node in nodes.items()}
-    finally:
-        for node in nodes.values():
-            node.kill()
-    assert {r: node.returncode for r, node in nodes.items()} == {1: 0, 0: 0}, out
+    dirs, out, codes = run_two_nodes(corpus, tmp_path, timeout=240)
+    assert codes == {1: 0, 0: 0}, out
     (rank0_node,) = [r for r in dirs if "--- sample" in out[r][0]]  # exactly one node prints it
     other = 1 - rank0_node
     assert f"global rank 0 ran on node {rank0_node}" in out[other][0] and "--- sample" not in out[other][0]
@@ -100,14 +106,8 @@ def test_a_signal_stops_two_nodes_that_share_no_run_dir_without_a_checkpoint(cor
 def test_a_config_error_only_the_ranks_can_find_exits_2_on_every_node(corpus, tmp_path):
     """Checkpoints into run.dirs the nodes do not share: found when the ranks meet (no launcher can
     see the other node's filesystem), reported in one line and exit 2 as a bad config is."""
-    port, dirs = free_port(), {r: tmp_path / f"node{r}" for r in (1, 0)}
-    nodes = {r: start_node(corpus, dirs[r], r, port, "checkpoint.interval=100") for r in dirs}
-    try:
-        out = {r: node.communicate(timeout=120) for r, node in nodes.items()}
-    finally:
-        for node in nodes.values():
-            node.kill()
-    assert {r: node.returncode for r, node in nodes.items()} == {1: 2, 0: 2}, out
+    dirs, out, codes = run_two_nodes(corpus, tmp_path, "checkpoint.interval=100", timeout=120)
+    assert codes == {1: 2, 0: 2}, out
     for r in dirs:
         errors = [line for line in out[r][1].splitlines() if line.startswith("meshlm:")]
         assert len(errors) == 1 and errors[0].startswith("meshlm: error: checkpoint.interval: rank "), out[r][1]

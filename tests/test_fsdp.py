@@ -160,21 +160,16 @@ def test_any_module_with_a_size_policy_equals_the_single_process_reference():
             assert (params[name] - p).abs().max() <= 1e-5, name
 
 
-class TiedTower(nn.Module):
-    """A tied embedding and head around MLP blocks: the embedding is large enough for a unit of its own."""
+class TiedTower(Tower):
+    """The tower with an embedding for its input projection, tied to its head: the embedding is
+    large enough for a unit of its own."""
 
     def __init__(self):
         super().__init__()
-        self.embedding = nn.Embedding(11, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+        self.proj = nn.Embedding(11, 16)
+        self.blocks = self.blocks[:2]
         self.head = nn.Linear(16, 11, bias=False)
-        self.head.weight = self.embedding.weight
-
-    def forward(self, ids):
-        h = self.embedding(ids)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
+        self.head.weight = self.proj.weight
 
 
 def _tied_tower_rank(sharded):
