@@ -411,3 +411,28 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new"), code=2)
     assert line.startswith("meshlm: error: --hf: ")
+
+
+def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, saved, tmp_path):
+    """A pretrained tokenizer with several end-of-text tokens (Llama-3's chat tokenizer has
+    <|end_of_text|> and <|eot_id|>): its tokenizer_config.json names the one the data is separated
+    with, and the export of a checkpoint or of final/ names that one as eos, not the first known name."""
+    from tokenizers import Tokenizer
+
+    _, checkpoint, _ = saved("single-untied")
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))  # has meshlm's <|endoftext|>
+    tokenizer.add_special_tokens(["<|eot_id|>"])
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    eot = tokenizer.token_to_id("<|eot_id|>")
+    assert eot != tokenizer.token_to_id("<|endoftext|>")
+    run_dir = tmp_path / "run"
+    run_meshlm("train", "model.preset=debug", "model.vocab_size=520", f"data.tokenizer={tmp_path / 'tok'}",
+               *small_args(corpus, run_dir), "train.steps=1", "checkpoint.interval=1", "run.sample_tokens=0",
+               in_process=True)
+    for source in (run_dir / "checkpoints" / "step_0000001", run_dir / "final"):
+        export_hf(source, tmp_path / f"hf-{source.name}")
+        assert json.loads((tmp_path / f"hf-{source.name}" / "config.json").read_text())["eos_token_id"] == eot
+        assert json.loads((tmp_path / f"hf-{source.name}" / "tokenizer_config.json").read_text())["eos_token"] \
+            == "<|eot_id|>"

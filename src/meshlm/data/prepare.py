@@ -17,6 +17,7 @@ Steps, inside `<cache>/tokens/.building-<name>/` (a fixed name, so a rerun resum
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -34,7 +35,7 @@ from meshlm.data.encode import (CHUNK_BYTES, EncodeSpec, EncoderPool, chunk_docu
 from meshlm.data.shards import SHARD_CHUNKS, ShardWriter, write_json_atomically
 from meshlm.errors import ConfigError
 from meshlm.train.corpus import Corpus
-from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, PretrainedTokenizer, eot_id, load_tokenizer,
+from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, eot_id, load_tokenizer,
                                     split_for_encoding, splits_like_gpt2, train_tokenizer)
 
 DATA_FORMAT_VERSION = 3  # 2: streamed shards, one file per split, document index; 3: no forced cuts in real text
@@ -157,6 +158,8 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
         if not path.is_file():  # the file itself, byte for byte: checkpoints and exports carry it exactly
             shutil.copyfile(plan.pretrained.path, building / ".tokenizer.json.tmp")
             os.replace(building / ".tokenizer.json.tmp", path)
+        # which of its tokens separates documents (tokenizer.run_end_token), for checkpoints and exports
+        (building / TOKENIZER_CONFIG).write_text(json.dumps({"eos_token": plan.pretrained.end_token}) + "\n")
         log(f"data: encoding {plan.corpus.label} with {plan.pretrained.path} on {plan.workers} worker(s) ...")
         return plan.pretrained.tokenizer, plan.pretrained.end_id
     if path.is_file():  # resumed: the shards so far were encoded with exactly this one

@@ -63,6 +63,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 # --------------------------------------------------------------------------- pretrained
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's, beside it: names the eos token
 # Document separators of common tokenizers, tried in order when tokenizer_config.json names none.
 END_OF_TEXT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -102,12 +103,24 @@ def tokenizer_file(path: str | Path) -> Path:
 
 def _named_end_token(file: Path) -> str | None:
     """The eos_token of the tokenizer_config.json beside `file`, as Hugging Face saves it."""
-    config = file.parent / "tokenizer_config.json"
+    config = file.parent / TOKENIZER_CONFIG
     try:
         eos = json.loads(config.read_text()).get("eos_token")
     except (OSError, ValueError, AttributeError):
         return None
     return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def run_end_token(file: Path) -> tuple[str | None, int | None]:
+    """(name, id) of the token a run separated documents with, from its tokenizer.json `file`: the
+    eos_token of the tokenizer_config.json beside it (a pretrained tokenizer's: the token cache,
+    checkpoints and final/ carry it along), else the first of END_OF_TEXT_NAMES it has. A Llama-3
+    chat tokenizer has both <|end_of_text|> and the <|eot_id|> its config names."""
+    tokenizer = load_tokenizer(file)
+    named = _named_end_token(Path(file))
+    if named is not None and tokenizer.token_to_id(named) is not None:
+        return named, tokenizer.token_to_id(named)
+    return known_end_token(tokenizer)
 
 
 def load_pretrained(path: str | Path) -> PretrainedTokenizer:

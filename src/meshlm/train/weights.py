@@ -17,6 +17,7 @@ from safetensors.torch import load_model, save_model
 
 from meshlm.config import Config, ConfigError, load_config, resolve, to_toml
 from meshlm.model import Llama
+from meshlm.train.tokenizer import TOKENIZER_CONFIG
 
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -35,6 +36,8 @@ def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path:
     # save_model drops the duplicate of tied weights (safetensors stores no aliases).
     save_model(model, str(tmp / WEIGHTS))
     shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
+    if (Path(tokenizer_path).parent / TOKENIZER_CONFIG).is_file():  # its end-of-text choice (run_end_token)
+        shutil.copyfile(Path(tokenizer_path).parent / TOKENIZER_CONFIG, tmp / TOKENIZER_CONFIG)
     (tmp / CONFIG).write_text(to_toml(cfg))
     old = run_dir / "final.old"
     if final.exists():

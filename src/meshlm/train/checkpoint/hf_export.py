@@ -27,9 +27,8 @@ import torch
 from meshlm.config import ConfigError, ModelConfig, load_config
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
 from meshlm.train.checkpoint.store import write_safetensors
-from meshlm.train.tokenizer import known_end_token, load_tokenizer
+from meshlm.train.tokenizer import TOKENIZER_CONFIG, load_tokenizer, run_end_token
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass
@@ -110,9 +109,9 @@ def llama_config(m: ModelConfig, end_id: int | None) -> dict:
 
 
 def end_of_text(tokenizer_path: Path) -> tuple[str | None, int | None]:
-    """The document separator meshlm trained with (the first known end-of-text name the
-    tokenizer has); it is both eos and bos, as in GPT-2: meshlm prepends no BOS."""
-    return known_end_token(load_tokenizer(tokenizer_path))
+    """The document separator meshlm trained with (tokenizer.run_end_token); it is both eos and
+    bos, as in GPT-2: meshlm prepends no BOS."""
+    return run_end_token(tokenizer_path)
 
 
 def tokenizer_config(end_token: str | None, max_len: int) -> dict:

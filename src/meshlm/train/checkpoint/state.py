@@ -26,6 +26,7 @@ import torch
 
 import meshlm
 from meshlm.config import to_toml
+from meshlm.train.tokenizer import TOKENIZER_CONFIG
 from meshlm.train.checkpoint.pieces import (Placement, Piece, canonical_shapes, check_shapes,  # noqa: F401
                                             placements, segment_pieces)
 from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, clear_stale_temporaries, finalize,
@@ -110,9 +111,12 @@ def _rank_payload(trainer, snapshot: bool) -> tuple[dict[str, torch.Tensor], lis
 def _rank0_files(trainer) -> dict[str, bytes]:
     """The files only rank 0 writes, as bytes taken now (the step they describe)."""
     shapes = canonical_shapes(trainer.cfg.model)
+    tokenizer = Path(trainer.data.tokenizer_path)
     return {META: json.dumps(_meta(trainer, shapes), indent=1).encode(),
-            "config.toml": to_toml(trainer.cfg).encode(),
-            "tokenizer.json": Path(trainer.data.tokenizer_path).read_bytes()}
+            "config.toml": to_toml(trainer.cfg).encode(), "tokenizer.json": tokenizer.read_bytes(),
+            # a pretrained tokenizer's end-of-text choice (tokenizer.run_end_token), where the cache has one
+            **({TOKENIZER_CONFIG: (tokenizer.parent / TOKENIZER_CONFIG).read_bytes()}
+               if (tokenizer.parent / TOKENIZER_CONFIG).is_file() else {})}
 
 
 def _entries_file(tmp: Path, rank: int) -> Path:
