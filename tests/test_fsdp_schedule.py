@@ -247,6 +247,7 @@ def _unused_rank():
     seen = []
     for _ in range(2):
         fsdp.module(torch.ones(2, 4)).sum().backward()
+        fsdp.finish_backward()  # the step's backwards are done: the first step's decides what is unused
         seen.append(list(fsdp.unused_parameters))
         fsdp.clip_and_step(TRAIN.lr, 0.0)
         fsdp.zero_grad()

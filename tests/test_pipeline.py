@@ -18,7 +18,7 @@ from meshlm.testing import RankFailure, run_ranks
 from meshlm.train.data import prepare_data
 from meshlm.train.trainer import Trainer
 
-from helpers import poisoned_empty
+from helpers import build_trainer, poisoned_empty
 
 GLOBAL_BATCH = 8
 # Small enough for 4 ranks on 2 cores, deep enough for pp=4 x 2 virtual stages.
@@ -185,6 +185,29 @@ def test_weight_gradients_owed_at_the_last_backward_are_in_the_data_parallel_red
             assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6)
             for name, value in got["params"].items():
                 assert (value - ref["params"][name]).abs().max() <= 1e-5, name
+
+
+def _sharded_rank(corpus, run_dir, extra):
+    """Three steps' losses and (global rank 0) the full weights after them: gradients sharded."""
+    trainer = build_trainer(make_cfg(corpus, run_dir, 2, *extra))
+    losses = [trainer.train_step().loss for _ in range(3)]
+    full = trainer.full_state_dict()
+    return {"losses": losses, "full": {k: v.clone() for k, v in full.items()} if trainer.ctx.rank == 0 else None}
+
+
+@pytest.mark.parametrize("split", ["3,3,0,2", "2,0,3,3"])
+def test_zero3_interleaved_with_a_chunk_of_no_layers_equals_single_process(corpus, tmp_path, tmp_path_factory, split):
+    """A rank whose later chunk has no layers: its first backward of a step reaches no unit. FSDP
+    took every unit for unused after that backward, reduced the next backward's units at their
+    first gradient and freed them under it (a crash). What is unused is decided at the step's end."""
+    ref = reference(corpus, tmp_path_factory)
+    extra = ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", f"parallel.pp_layers={split}",
+             "parallel.zero=3"]
+    ranks = run_ranks(_sharded_rank, 2, corpus, tmp_path, extra, timeout=180)
+    for got in ranks:
+        assert got["losses"] == pytest.approx(ref["losses"][1:], abs=1e-6)
+    full = ranks[0]["full"]
+    assert set(full) == set(ref["params"]) and all((full[n] - ref["params"][n]).abs().max() <= 1e-5 for n in full)
 
 
 def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_path, tmp_path_factory):

@@ -166,6 +166,7 @@ class ReadyTracker:
         self.bucket_of = {id(p): b for b, group in enumerate(members) for _, p in group}
         self.unused: set[int] = set()
         self.first_step = True
+        self._seen: set[int] = set()  # parameters with a gradient in some backward of the first step
         self.reset()
 
     def reset(self) -> None:
@@ -182,18 +183,29 @@ class ReadyTracker:
                 f"in one backward; make every step use the same parameters")
         self.ready[b].add(key)
         self.unused.discard(key)
+        if self.first_step:
+            self._seen.add(key)
         while self.next < len(self.members) and self.members[self.next] - self.unused <= self.ready[self.next]:
             self.next += 1
             self.launch(self.next - 1)
 
-    def flush(self) -> list[str]:
-        """Launch every bucket not launched yet; returns the names of parameters with no gradient."""
+    def flush(self, end_of_step: bool = True) -> list[str]:
+        """Launch every bucket not launched yet; returns the names of parameters with no gradient.
+        At the end of the first step (`end_of_step`; an engine that flushes every backward, such as
+        FSDP under a pipeline, where a backward covers one chunk, says when the step ends through
+        `end_first_step`), the parameters no backward of it reached are recorded as unused."""
         missing = []
         while self.next < len(self.members):
             missing.extend(self.names[k] for k in self.members[self.next] - self.ready[self.next])
             self.next += 1
             self.launch(self.next - 1)
-        if self.first_step:
-            self.unused = {k for k, name in self.names.items() if name in set(missing)}
-            self.first_step = False
+        if self.first_step and end_of_step:
+            self.end_first_step()
         return missing
+
+    def end_first_step(self) -> list[str]:
+        """Record the parameters no backward of the first step reached as unused; their names."""
+        if self.first_step:
+            self.unused = set(self.names) - self._seen
+            self.first_step = False
+        return [self.names[k] for k in self.names if k in self.unused]

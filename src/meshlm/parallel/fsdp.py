@@ -231,6 +231,9 @@ class FullyShardedDataParallel:
         middle of backward, where activations peak (the root's head gradient arrives first and
         its embedding gradient last)."""
         unit = self._backward_order[index]
+        # The previous unit's reduce-scatter had this whole unit's backward to finish: waited (and
+        # its full buffer freed) before this one's is made, one staging buffer lives at a time.
+        self._drain()
         staging = torch.zeros(unit.padded, dtype=self.precision.reduce_dtype, device=self.device)
         with torch.no_grad():
             for s in unit.slots:
@@ -239,7 +242,6 @@ class FullyShardedDataParallel:
                     s.param.grad = None
         out = staging[unit.lo: unit.hi]
         handle = self.comm.reduce_scatter(out, staging, self.axes, async_op=True)
-        self._drain()  # the previous unit's reduce-scatter had a whole unit's backward to finish
         self._pending.append((handle, unit, out, staging))
         unit.free()
 
@@ -252,10 +254,9 @@ class FullyShardedDataParallel:
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        first = self.tracker.first_step
-        missing = self.tracker.flush()
-        if first:
-            self.unused_parameters = missing
+        # Under a pipeline each backward covers one chunk (and an interleaved rank's chunk may have
+        # no layers): what is unused is decided at the step's end, in finish_backward.
+        self.tracker.flush(end_of_step=False)
         self._drain()
         self.tracker.reset()
         for u in self.units:
@@ -266,7 +267,11 @@ class FullyShardedDataParallel:
         yield  # every backward reduce-scatters (see the module docstring)
 
     def finish_backward(self) -> None:
-        pass  # each backward finished itself (the queued end-of-backward callback)
+        """Each backward reduced and freed its own (the queued end-of-backward callback); this
+        ends the first step: what none of its backwards reached is unused from now on (also
+        done by the first optimizer step, for callers that step without finishing)."""
+        if self.tracker.first_step:
+            self.unused_parameters = self.tracker.end_first_step()
 
     # ------------------------------------------------------------------ step
 
@@ -276,6 +281,7 @@ class FullyShardedDataParallel:
     def clip_and_step(self, lr: float, max_norm: float) -> float:
         from meshlm.parallel.grad_norm import global_grad_norm
 
+        self.finish_backward()
         norm = global_grad_norm(self.local_grad_squares(), self.comm, dp_sharded=True)
         self.optim.clip_and_step(lr, norm, max_norm)
         return norm.item()  # the next forward gathers the updated shards
