@@ -78,7 +78,10 @@ def peak_tflops_for_name(device_name: str, dtype: str) -> float | None:
     """Dense peak TFLOP/s for a CUDA device name and a dtype name; None for an unknown device."""
     if dtype not in _DTYPE_FACTOR:
         raise ValueError(f"dtype: expected one of {', '.join(_DTYPE_FACTOR)}, got {dtype!r}")
-    matches = [key for key in PEAK_TFLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name)]
+    def whole_word(key: str) -> bool:
+        return re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name) is not None
+
+    matches = [key for key in PEAK_TFLOPS if whole_word(key)]
     if not matches:
         return None
     return PEAK_TFLOPS[max(matches, key=len)] * _DTYPE_FACTOR[dtype]

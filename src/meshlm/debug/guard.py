@@ -81,7 +81,8 @@ class RankGuard:
         write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
                    comm=t.comm if t else None, error=error, report=lines,
                    culprits=getattr(error, "ranks", [self.rank]))
-        # Under a launcher its one-line verdict says the rest (train/command.py's _failure_line); an OOM's block is longer.
+        # Under a launcher its one-line verdict says the rest (train/command.py's _failure_line); an
+        # OOM's block is longer.
         if kind == "oom" or self.world_size == 1:
             print("\n".join(f"meshlm: {line}" if i == 0 else line for i, line in enumerate(lines)),
                   file=sys.stderr, flush=True)

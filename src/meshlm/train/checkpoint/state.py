@@ -78,8 +78,8 @@ def _meta(trainer, shapes) -> dict:
     from meshlm.train.optim import lr_at
 
     cfg = trainer.cfg
-    return {"step": trainer.step, "nonfinite_skipped": trainer.nonfinite_skipped, "empty_skipped": trainer.empty_skipped,
-            "next_lr": lr_at(trainer.step, cfg.train),
+    return {"step": trainer.step, "nonfinite_skipped": trainer.nonfinite_skipped,
+            "empty_skipped": trainer.empty_skipped, "next_lr": lr_at(trainer.step, cfg.train),
             "data": trainer.loader.state_dict(), "seed": cfg.run.seed,
             "layout": layout_of(cfg, trainer.ctx.world_size), "model": dataclasses.asdict(cfg.model),
             "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
