@@ -39,6 +39,8 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "shm", ("parallel.zero=1", "model.tie_embeddings=true")),
     # a vocabulary larger than the blocks: the tied table's gradients sum out of place (3 tables)
     (2, "shm", ("parallel.zero=0", "model.tie_embeddings=true", "model.vocab_size=4099", "train.global_batch_size=4")),
+    # ... untied under ZeRO-3: the root unit (embedding, head) completes with a root-sized fp32 staging
+    (2, "shm", ("parallel.zero=3", "model.vocab_size=4099", "train.global_batch_size=4")),
     (2, "shm", ("parallel.zero=3", "model.tie_embeddings=true")),
     (2, "shm", ("parallel.zero=1", "train.dtype=bfloat16")),
     (2, "shm", ("parallel.zero=2", "train.dtype=bfloat16")),

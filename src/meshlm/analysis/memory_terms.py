@@ -278,12 +278,15 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
     largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
+    # The embedding's gradient completes the root unit: the root's fp32 staging is made beside it
+    # and the head's gradient (waiting since the head's backward, in the walk's live bytes).
+    root_done = 4 * root if embedding_grad and not m.tie_embeddings else 0
     return EngineState(4 * n / d, 4 * n / d, 8 * n / d, 0,
                        gathered_forward=item * (root + unit), gathered_after_forward=item * root,
                        gathered_loss=item * (root - embedding),
                        # the head's gradient waits in the root unit until the embedding's arrives, last
                        gathered_backward=item * (root - embedding + 2 * unit) + item * head,
-                       weight_grad=item * head, embedding_grad=item * embedding_grad,
+                       weight_grad=item * head, embedding_grad=item * embedding_grad + root_done,
                        # a unit completes: its gradients flattened into fp32 staging while both gathered
                        # units stay (the ring's scratch comes after the gradients are dropped)
                        reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
