@@ -73,3 +73,25 @@ def test_ready_tracker_launches_in_order_and_learns_unused_parameters():
         tracker.mark(p)
     with pytest.raises(RuntimeError, match="'d'"):
         tracker.mark(d)  # unused on step 1, a gradient now, after its bucket was reduced
+
+
+def test_ready_tracker_decides_what_is_unused_over_the_whole_first_step():
+    """An engine that flushes after every backward (FSDP: under a pipeline a backward covers one
+    chunk) says when the step ends: a parameter reached by any backward of step 1 is waited for
+    later; only one no backward reached is unused. (Decided at the first flush, a chunk of no
+    layers made every unit unused.)"""
+    a, b, c = (nn.Parameter(torch.zeros(1)) for _ in range(3))
+    launched = []
+    tracker = ReadyTracker([[("a", a)], [("b", b)], [("c", c)]], launched.append)
+    assert tracker.flush(end_of_step=False) == ["a", "b", "c"]  # a backward that reached none
+    tracker.reset()
+    tracker.mark(a)
+    tracker.mark(b)
+    assert tracker.flush(end_of_step=False) == ["c"] and tracker.first_step
+    assert tracker.end_first_step() == ["c"] and not tracker.first_step
+    tracker.reset()
+    launched.clear()
+    tracker.mark(a)
+    assert launched == [0]  # b is waited for: it had a gradient in step 1
+    tracker.mark(b)
+    assert launched == [0, 1, 2]
