@@ -322,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 for --help
         return int(e.code or 0)
-    for name, value, least in (("forward-cost", args.forward_cost, 0), ("backward-cost", args.backward_cost, 0),
-                               ("p2p-cost", args.p2p_cost, None)):
-        if value is not None and not (math.isfinite(value) and (value > least if least is not None else value >= 0)):
-            print(f"meshlm: error: --{name}: must be a finite number {'> 0' if least is not None else '>= 0'}, "
-                  f"got {value}", file=sys.stderr)
+    for name, value, positive in (("forward-cost", args.forward_cost, True), ("backward-cost", args.backward_cost, True),
+                                  ("p2p-cost", args.p2p_cost, False)):
+        if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            print(f"meshlm: error: --{name}: must be a finite number {'> 0' if positive else '>= 0'}, got {value}",
+                  file=sys.stderr)
             return 2
     if args.out and not args.out.lower().endswith((".png", ".svg")):
         print("meshlm: error: --out: the file name must end in .png or .svg", file=sys.stderr)

@@ -37,8 +37,9 @@ class StragglerDetector:
         ratios = {}
         for r, b in enumerate(busy_s):
             others = [busy_s[q] for q in group_of[r] if q != r]
-            if others and statistics.median(others) > 0:
-                ratios[r] = (b / statistics.median(others), statistics.median(others))
+            median = statistics.median(others) if others else 0
+            if median > 0:
+                ratios[r] = (b / median, median)
         suspect = max(ratios, key=lambda r: ratios[r][0]) if ratios else None
         if suspect is not None and ratios[suspect][0] > 1 + self.threshold:
             self._streak = {suspect: self._streak.get(suspect, 0) + 1}

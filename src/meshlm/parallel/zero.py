@@ -40,7 +40,6 @@ from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision,
 _engine = torch.autograd.Variable._execution_engine
 
 STAGE2_BUCKETS = 8  # stage 2 cuts the model into at least this many buckets
-STAGE2_IN_FLIGHT = 1  # reductions stage 2 lets run at once (the next waits for the previous)
 
 
 def stage2_bucket_bytes(trainable_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
@@ -173,10 +172,7 @@ class ZeroDataParallel(DDP):
         if staging is None:  # a bucket whose parameters all went unused: reduce zeros
             staging = self._staging[index] = torch.zeros(b.numel, dtype=self.precision.reduce_dtype,
                                                          device=self.device)
-        while len(self._pending) >= STAGE2_IN_FLIGHT:  # free the older buckets' staging now, not at the end
-            done_handle, done = self._pending.pop(0)
-            done_handle.wait()
-            done()
+        self._finish_pending()  # the previous bucket's: its staging freed now, not at the end
         out = staging[lo - b.start: hi - b.start]
         handle = self.comm.reduce_scatter(out, staging, self.axes, async_op=True)
         self._pending.append((handle, lambda index=index, out=out: self._accumulate(index, out)))

@@ -111,16 +111,22 @@ def _named_end_token(file: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+def _end_token(tokenizer: Tokenizer, file: Path) -> str | None:
+    """The token that separates documents: the eos_token of the tokenizer_config.json beside
+    `file`, else the first of END_OF_TEXT_NAMES the tokenizer has (a Llama-3 chat tokenizer has
+    both <|end_of_text|> and the <|eot_id|> its config names)."""
+    for name in (_named_end_token(file), *END_OF_TEXT_NAMES):
+        if name is not None and tokenizer.token_to_id(name) is not None:
+            return name
+    return None
+
+
 def run_end_token(file: Path) -> tuple[str | None, int | None]:
-    """(name, id) of the token a run separated documents with, from its tokenizer.json `file`: the
-    eos_token of the tokenizer_config.json beside it (a pretrained tokenizer's: the token cache,
-    checkpoints and final/ carry it along), else the first of END_OF_TEXT_NAMES it has. A Llama-3
-    chat tokenizer has both <|end_of_text|> and the <|eot_id|> its config names."""
+    """(name, id) of the token a run separated documents with, from its tokenizer.json `file`
+    (the token cache, checkpoints and final/ carry a pretrained tokenizer's config beside it)."""
     tokenizer = load_tokenizer(file)
-    named = _named_end_token(Path(file))
-    if named is not None and tokenizer.token_to_id(named) is not None:
-        return named, tokenizer.token_to_id(named)
-    return known_end_token(tokenizer)
+    name = _end_token(tokenizer, Path(file))
+    return name, None if name is None else tokenizer.token_to_id(name)
 
 
 def load_pretrained(path: str | Path) -> PretrainedTokenizer:
@@ -132,11 +138,8 @@ def load_pretrained(path: str | Path) -> PretrainedTokenizer:
     except Exception as e:  # tokenizers raises plain Exception on a bad file
         raise ConfigError(f"data.tokenizer: {file}: not a tokenizers JSON file ({e})") from None
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    for name in (_named_end_token(file), *END_OF_TEXT_NAMES):
-        if name is not None and name in vocab:
-            end = name
-            break
-    else:
+    end = _end_token(tokenizer, file)
+    if end is None:
         raise ConfigError(f"data.tokenizer: {file} has no end-of-text token to separate documents "
                           f"(tried tokenizer_config.json's eos_token and {', '.join(END_OF_TEXT_NAMES)})")
     return PretrainedTokenizer(file, hashlib.sha256(data).hexdigest(), max(vocab.values()) + 1, end, tokenizer)

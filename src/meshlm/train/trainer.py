@@ -196,9 +196,11 @@ class Trainer:
             loss_sum, global_tokens = self.forward_backward()
             if global_tokens:
                 grad_norm, nonfinite = self.optimizer_step(loss_sum)
-            else:  # no target token in the whole global batch (a masked loader): no update, which with
-                grad_norm, nonfinite = 0.0, None  # zero gradients would still move the weights (AdamW's
-                self.empty_skipped += 1           # momentum, decay) and count an AdamW step
+            else:
+                # No target token in the whole global batch (a masked loader): no update, which with
+                # zero gradients would still move the weights (AdamW's momentum, decay) and count a step.
+                grad_norm, nonfinite = 0.0, None
+                self.empty_skipped += 1
         self.progress.at("end of step")  # the loss and the small all-gather below
         loss_sum = self._all_reduce(loss_sum).item()
         loss = loss_sum / global_tokens if global_tokens else math.nan

@@ -103,17 +103,21 @@ class _SendsInFlight:
         while self.limit is not None and len(self.batches) > self.limit:
             self.batches.pop(0)[0].wait()
 
-    def prune(self) -> None:
-        """Drop the batches whose sends report completion (NCCL's do; gloo's never do unwaited),
-        waited first: free now, and it closes their flight-recorder records, which a hang report
-        would otherwise list as pending (the oldest, so blamed first)."""
+    def _wait_those(self, done: Callable[[object, list], bool]) -> None:
+        """Wait the batches `done(handle, numbers)` says are finished (it costs no stall), drop them."""
         keep = []
         for handle, numbers in self.batches:
-            if handle.is_completed():
+            if done(handle, numbers):
                 handle.wait()
             else:
                 keep.append((handle, numbers))
         self.batches = keep
+
+    def prune(self) -> None:
+        """Drop the batches whose sends report completion (NCCL's do; gloo's never do unwaited),
+        waited first: free now, and it closes their flight-recorder records, which a hang report
+        would otherwise list as pending (the oldest, so blamed first)."""
+        self._wait_those(lambda handle, _: handle.is_completed())
 
     def arrived(self, recv_key: tuple[str, int, int]) -> None:
         """A message arrived: wait (at once, without stalling) the sends its sender has received."""
@@ -122,18 +126,10 @@ class _SendsInFlight:
             return
         peer, count = cover
         self.received[peer] = max(self.received.get(peer, 0), count)
-        keep = []
-        for handle, numbers in self.batches:
-            if numbers and all(k < self.received.get(p, 0) for p, k in numbers):
-                handle.wait()
-            else:
-                keep.append((handle, numbers))
-        self.batches = keep
+        self._wait_those(lambda _, numbers: bool(numbers) and all(k < self.received.get(p, 0) for p, k in numbers))
 
     def wait_all(self) -> None:
-        for handle, _ in self.batches:
-            handle.wait()
-        self.batches = []
+        self._wait_those(lambda *_: True)
 
 
 class PipelineEngine:

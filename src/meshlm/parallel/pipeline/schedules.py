@@ -332,13 +332,8 @@ def send_receipts(schedules: list[list[Instruction]], rank: int) -> SendReceipts
     sends (engine.py), and per pair the k-th send meets the k-th receive (above): when a message
     from peer P arrives, P had posted every receive in that batch or before it, so the sends they
     match can be waited at once, without stalling on P."""
-    def batches(program):  # instruction index -> its batch's index (p2p_batches)
-        index, out, previous_p2p = -1, [], False
-        for ins in program:
-            index += not (ins.is_p2p and previous_p2p)
-            previous_p2p = ins.is_p2p
-            out.append(index)
-        return out
+    def batches(program):  # instruction index -> the index of its item in p2p_batches(program)
+        return [i for i, item in enumerate(p2p_batches(program)) for _ in (item if isinstance(item, list) else [item])]
 
     def key(ins: Instruction) -> tuple[str, int, int]:
         return ins.op, ins.chunk, ins.microbatch

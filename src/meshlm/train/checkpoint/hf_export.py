@@ -30,7 +30,6 @@ from meshlm.train.checkpoint.store import write_safetensors
 from meshlm.train.tokenizer import TOKENIZER_CONFIG, load_tokenizer, run_end_token
 
 
-
 @dataclass
 class ExportReport:
     out: Path
