@@ -55,6 +55,8 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     # pipelines: every schedule, the deferred weight-gradient flush, P2P buffers, with dp, tp + sp, bf16
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=1f1b", "model.n_layers=4")),  # two blocks a stage
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=gpipe", "train.recompute=full")),
+    # two rebuilt blocks a stage: the store keeps a finished block's linear inputs, not the block
+    (2, "shm", ("parallel.pp=2", "model.n_layers=4", "train.recompute=full", "train.micro_batch_size=4")),
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=4")),
     (2, "shm", ("parallel.pp=2", "parallel.zero=1", "train.dtype=bfloat16")),
     (2, "shm", ("parallel.pp=2", "train.dtype=bfloat16")),

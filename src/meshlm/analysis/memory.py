@@ -43,7 +43,7 @@ from meshlm.analysis.memory_schedule import boundary_held_bytes, compute_program
 from meshlm.analysis.memory_schedule import micro_batches_in_flight  # noqa: F401 (API)
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
                                           block_weight_copy_bytes, boundary_bytes, chunk_saved_bytes,
-                                          deferred_inputs_bytes, deferred_wgrad_bytes, engine_state,
+                                          deferred_wgrad_bytes, engine_state,
                                           head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
@@ -209,8 +209,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             boundary = held[i][1]
             # (under autocast each is made in bf16, then cast to the fp32 weight's dtype)
             item = s.param_item + (activation_itemsize(cfg) if autocast(cfg) else 0)
-            point("weight gradients", live, True, deferred + deferred_inputs_bytes(cfg, stage)
-                  + item * largest_deferred_weight(cfg, stage))
+            point("weight gradients", live, True, deferred + item * largest_deferred_weight(cfg, stage))
             boundary = held[i][0]
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)

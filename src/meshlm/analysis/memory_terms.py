@@ -299,22 +299,26 @@ def largest_deferred_weight(cfg: Config, stage: int) -> int:
     return max(largest_block_weight(cfg), vocab_local(cfg) * cfg.model.dim if stage == last_stage(cfg) else 0)
 
 
-def deferred_inputs_bytes(cfg: Config, stage: int) -> int:
-    """What the flush of stage `stage` still holds beside the output gradients: each deferred
-    linear's input (the QKV, output, gate/up and down projections' of every layer, the head's);
-    under autocast each of the five linears reading the residual stream has its own bf16 copy."""
+def deferred_inputs_bytes(cfg: Config, stage: int, layers: int | None = None) -> int:
+    """What the store of stage `stage` holds beside the output gradients once `layers` of its blocks
+    (from the top; default all) have run their backward: each deferred linear's input (the QKV,
+    output, gate/up and down projections' of those layers, and the head's), kept by the store
+    whether the block saved it or rebuilt it under full recompute; under autocast each of the five
+    linears reading the residual stream has its own bf16 copy."""
     m, p = cfg.model, cfg.parallel
     batch, seq = microbatch_tokens(cfg)
     per_layer = (5 if autocast(cfg) else 2) * m.dim + m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp
-    inputs = len(stage_ranges(cfg)[stage]) * per_layer + (m.dim if stage == last_stage(cfg) else 0)
+    layers = len(stage_ranges(cfg)[stage]) if layers is None else layers
+    inputs = layers * per_layer + (m.dim if stage == last_stage(cfg) else 0)
     return batch * seq * inputs * activation_itemsize(cfg)
 
 
 def deferred_wgrad_bytes(cfg: Config, stage: int, layers: int | None = None) -> int:
     """Pipeline stages after the first defer their linears' weight gradients in each chunk's last
-    backward (parallel/pipeline/deferred_wgrad.py): every linear's output gradient (and, under full
-    recompute, every rebuilt block) stays alive until the flush. `layers`: owed once that many of
-    the stage's blocks (from the top) have run their backward; default all of them."""
+    backward (parallel/pipeline/deferred_wgrad.py): every linear's output gradient and input stay
+    alive until the flush; the rest of a block (saved or rebuilt under full recompute) goes with
+    its backward. `layers`: owed once that many of the stage's blocks (from the top) have run
+    their backward; default all of them."""
     m, p = cfg.model, cfg.parallel
     if p.pp == 1 or stage == 0 or not p.pp_defer_wgrad or p.zero > 1 or p.tp > 1:  # (tp's linears never defer)
         return 0
@@ -322,9 +326,7 @@ def deferred_wgrad_bytes(cfg: Config, stage: int, layers: int | None = None) -> 
     tokens, item = batch * seq, activation_itemsize(cfg)
     layers = len(stage_ranges(cfg)[stage]) if layers is None else layers
     outputs = (m.n_heads // p.tp + 2 * max(1, m.n_kv_heads // p.tp)) * m.head_dim + 2 * m.dim + 2 * m.ffn_dim // p.tp
-    out = layers * tokens * outputs * item
-    if cfg.train.recompute == "full":
-        out += max(0, layers - 1) * block_saved_bytes(cfg)[1]
+    out = layers * tokens * outputs * item + deferred_inputs_bytes(cfg, stage, layers)
     if stage == last_stage(cfg):
         out += tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the logits' gradient, kept for the head's
     return out
