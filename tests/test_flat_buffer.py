@@ -13,8 +13,9 @@ def test_flat_layout_buckets_in_reverse_order_padded_and_sharded_exactly():
     params = [(f"p{i}", nn.Parameter(torch.zeros(k))) for i, k in enumerate([5, 7, 3, 11, 2])]
     layout = FlatLayout(list(reversed(params)), bucket_bytes=4 * 10, align=4)
     assert [s.name for s in layout.slots] == ["p4", "p3", "p2", "p1", "p0"]
-    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p4", "p3"], ["p2", "p1"], ["p0"]]
-    assert all(b.numel % 4 == 0 for b in layout.buckets) and layout.numel == 16 + 12 + 8
+    # p3 (11 elements) is over the cap: a bucket of its own, not appended to p4's
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p4"], ["p3"], ["p2", "p1"], ["p0"]]
+    assert all(b.numel % 4 == 0 for b in layout.buckets) and layout.numel == 4 + 12 + 12 + 8
     for world in (2, 3, 4):  # ZeRO aligns to the world: each bucket's shards cover it exactly once
         layout = FlatLayout(list(reversed(params)), bucket_bytes=4 * 10, align=world)
         for b in layout.buckets:

@@ -238,7 +238,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     largest = max(vocab_table, block_largest)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     embedding_grad = counts["embedding"]
-    if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1) and d > 1:
+    if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1, 2) and d > 1:
         # one parameter used twice, its gradient taken by DDP's hook: autograd holds the head's
         # gradient until the embedding's arrives, then adds the two out of place (three tables at
         # that moment; measured, tests/test_memory_phases.py). At one rank the sum is made in place.
@@ -259,9 +259,10 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
         if p.zero == 2:
             bucket = min(stage2_bucket_bytes(item * n) // item, n)
         shard_step = fp32_grads + 2 * 4 * min(largest, max(bucket, largest) / d)
-        # A bucket never splits a parameter: the first one reduced holds at least the head, the last
-        # one the embedding, however small the nominal size (for `1b`, 262M elements each).
-        first, last = max(bucket, head), max(bucket, counts["embedding"])
+        # A bucket never splits a parameter: the first one reduced holds at least the (untied) head,
+        # the last one the embedding (a tied table is registered there), however small the nominal
+        # size (for `1b`, 262M elements each).
+        first, last = max(bucket, counts["head"]), max(bucket, counts["embedding"])
         if p.zero == 1:
             wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
             return EngineState(item * n, item * n, 8 * n / d, master, weight_grad=item * head, param_item=item,

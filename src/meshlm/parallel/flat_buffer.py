@@ -8,7 +8,11 @@ same collectives in the same order, whatever order its gradients become ready in
 
 - `FlatLayout` places parameters one after another (in the order given: DDP and ZeRO pass them
   in reverse registration order, roughly the order backward produces their gradients) and cuts
-  the sequence into buckets of about `bucket_bytes`, each padded to a multiple of `align`.
+  the sequence into buckets of about `bucket_bytes`, each padded to a multiple of `align`. A
+  parameter of `bucket_bytes` or more has a bucket of its own (Megatron-LM gives the shared
+  embedding one too): joined to the previous bucket's parameters, the first block's would wait for
+  the embedding's gradient, the last in backward, and ZeRO-2 would stage a table-sized bucket from
+  the first of them on.
   Shard r of a bucket is its r-th 1/align slice; a shard crosses parameter boundaries freely.
 - `ReadyTracker` is DDP's reducer logic: a gradient-ready event marks a parameter; a bucket
   whose parameters are all marked is launched, buckets strictly in index order; at the end of
@@ -93,7 +97,7 @@ class FlatLayout:
         offset = 0
         bucket = Bucket(0, 0)
         for name, p in named_params:
-            if bucket.slots and offset - bucket.start >= cap:
+            if bucket.slots and (offset - bucket.start >= cap or p.numel() >= cap):
                 offset = self._close(bucket, offset)
                 bucket = Bucket(len(self.buckets), offset)
             slot = Slot(name, p, offset, p.numel(), p.shape)
