@@ -41,6 +41,8 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "shm", ("parallel.zero=0", "model.tie_embeddings=true", "model.vocab_size=4099", "train.global_batch_size=4")),
     # ... untied under ZeRO-3: the root unit (embedding, head) completes with a root-sized fp32 staging
     (2, "shm", ("parallel.zero=3", "model.vocab_size=4099", "train.global_batch_size=4")),
+    # ... in bf16 weights: the head's gradient waits (2 bytes), the root's fp32 shard not yet made (4)
+    (2, "shm", ("parallel.zero=3", "model.vocab_size=4099", "train.global_batch_size=4", "train.dtype=bfloat16")),
     (2, "shm", ("parallel.zero=3", "model.tie_embeddings=true")),
     # ... tied under ZeRO-2: the table has a bucket of its own, three tables at its backward
     (2, "shm", ("parallel.zero=2", "model.tie_embeddings=true", "model.vocab_size=4099", "train.global_batch_size=4")),

@@ -118,7 +118,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     boundary = 0  # stage-boundary tensors the pipeline engine holds beside the compute (boundary_held_bytes)
 
     def point(phase: str, activations: float, grads: bool, other: float, grad_share: float | None = None) -> None:
-        share = made if grad_share is None else grad_share
+        share = (made if grad_share is None else grad_share) - (s.root_share if root_pending else 0)
         parts = (s.params, s.grads * share if grads else 0, s.optimizer, s.master, activations,
                  fixed + other + boundary)
         points.append((at, RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
@@ -142,6 +142,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
     held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
+    root_pending = s.root_share > 0  # (FSDP) until the first backward's end
     for i, (forward, chunk) in enumerate(program):
         at, stage = i, chunk * p.pp + pp_rank
         boundary = held[i][0]
@@ -213,6 +214,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             boundary = held[i][0]
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
+            root_pending = False
         if s.finishes_in_backward and not s.reduces_in_backward:
             point("gradient reduction", live, True, s.reduction)
     # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward

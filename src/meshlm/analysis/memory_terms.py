@@ -208,6 +208,8 @@ class EngineState:
                               # rather than from its first reduction (zero 2/3: the shard)
     grads_one_by_one: bool = False  # DDP at one rank: autograd's own .grad tensors, parameter by parameter
     grads_after_top_block: bool = False  # ZeRO-2: the shard is made when the head's bucket is reduced
+    root_share: float = 0  # FSDP: the root unit's share of the gradient shards, made at its reduction,
+                           # the first backward's last (the embedding's gradient completes it)
 
 
 def largest_block_weight(cfg: Config) -> int:
@@ -280,8 +282,8 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     root = counts["embedding"] + counts["head"] + counts["norm"]
     largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
     # The embedding's gradient completes the root unit: the root's fp32 staging is made beside it
-    # and the head's gradient (waiting since the head's backward, in the walk's live bytes).
-    root_done = 4 * root if embedding_grad and not m.tie_embeddings else 0
+    # and the head's gradient, waiting since the head's backward.
+    root_done = 4 * root + item * counts["head"] if embedding_grad and not m.tie_embeddings else 0
     return EngineState(4 * n / d, 4 * n / d, 8 * n / d, 0,
                        gathered_forward=item * (root + unit), gathered_after_forward=item * root,
                        gathered_loss=item * (root - embedding),
@@ -291,7 +293,8 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
                        # a unit completes: its gradients flattened into fp32 staging while both gathered
                        # units stay (the ring's scratch comes after the gradients are dropped)
                        reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
-                       step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
+                       step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True,
+                       root_share=root / n if counts["embedding"] else 0)
 
 
 def largest_deferred_weight(cfg: Config, stage: int) -> int:
