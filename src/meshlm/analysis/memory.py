@@ -213,7 +213,10 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             point("weight gradients", live, True, deferred + item * largest_deferred_weight(cfg, stage))
             boundary = held[i][0]
         if stage == 0:  # the embedding's dense weight gradient, beside what other micro-batches keep
-            point("embedding backward", live, True, s.gathered_loss + s.embedding_grad)
+            # at one rank the first backward's embedding gradient becomes its .grad (not yet in `made`
+            # above: made counts the whole chunk as its backward ends)
+            adopted = made - counts["embedding"] / n if new_chunk else None
+            point("embedding backward", live, True, s.gathered_loss + s.embedding_grad, adopted)
             root_pending = False
         if s.finishes_in_backward and not s.reduces_in_backward:
             point("gradient reduction", live, True, s.reduction)

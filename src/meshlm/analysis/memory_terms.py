@@ -240,10 +240,10 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
     largest = max(vocab_table, block_largest)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     embedding_grad = counts["embedding"]
-    if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1, 2) and d > 1:
-        # one parameter used twice, its gradient taken by DDP's hook: autograd holds the head's
-        # gradient until the embedding's arrives, then adds the two out of place (three tables at
-        # that moment; measured, tests/test_memory_phases.py). At one rank the sum is made in place.
+    if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1, 2):
+        # one parameter used twice: autograd holds the head's gradient until the embedding's
+        # arrives, then adds the two out of place (three tables at that moment, at any number of
+        # ranks; measured, tests/test_memory_phases.py)
         embedding_grad *= 3
     if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
         # torch's per-tensor AdamW makes two temporaries per tensor (sqrt, then the division), and
