@@ -148,6 +148,9 @@ def test_the_search_returns_what_a_full_evaluation_does():
     Layout(1, 2, 4, 1, 1, "none", 1, "1f1b"), Layout(1, 2, 2, 1, 0, "full", 1, "1f1b"),
     Layout(1, 1, 4, 2, 2, "selective", 1, "interleaved", 2), Layout(1, 2, 2, 2, 3, "none", 2, "interleaved", 4),
     Layout(8, 1, 1, 1, 1, "none", 2), Layout(2, 2, 1, 2, 3, "full", 1),
+    # 1F1B where the peak is a steady-state backward with gradients held (not reached with pp)
+    Layout(1, 2, 2, 1, 0, "none", 1, "1f1b"), Layout(2, 1, 4, 1, 3, "none", 1, "1f1b"),
+    Layout(1, 1, 8, 1, 0, "selective", 1, "1f1b"),
 ])
 def test_memory_is_asked_with_fewer_micro_batches_for_the_same_bytes(lay):
     work = planner.workload("llama3-8b", lay.world, global_batch=lay.dp * lay.micro_batch_size * 16)

@@ -158,13 +158,16 @@ def layout_config(work: Workload, lay: Layout, global_batch: int | None = None) 
 def memory_bytes(work: Workload, lay: Layout) -> int:
     """The largest per-rank peak `memory.predict` gives for the layout, asked with fewer
     micro-batches where that gives the same bytes (tests/test_plan.py checks it): 1F1B's peak is
-    reached with pp of them (its warm-up depth), interleaved's with 2 pp (whole rounds only), and
+    reached with pp + 1 of them (its warm-up depth, then a backward with the first's gradients
+    held: with pp, the first stage's fullest point comes before any gradient exists, up to 18%
+    lower), interleaved's with 3 pp (whole rounds only; under ZeRO-3 the first stage's forwards
+    after its first backward, with the root unit's gradient shard made, need the third), and
     without a pipeline the second micro-batch (forward with gradients held) is as high as it gets.
     The walk over a shorter schedule is what keeps the search within seconds."""
     from meshlm.analysis.memory import predict
 
     m = work.global_batch // (lay.dp * lay.micro_batch_size)
-    cap = {"none": 2, "1f1b": lay.pp, "gpipe": m, "interleaved": 2 * lay.pp}[lay.pp_schedule]
+    cap = {"none": 2, "1f1b": lay.pp + 1, "gpipe": m, "interleaved": 3 * lay.pp}[lay.pp_schedule]
     m = min(m, cap)
     return predict(layout_config(work, lay, lay.dp * lay.micro_batch_size * m)).peak_bytes
 
