@@ -129,8 +129,16 @@ def test_kv_heads_fewer_than_tp_are_replicated_so_such_tp_is_a_structure():
     assert {tp for _, tp, _, _ in planner.structures(two_kv_heads)} == {1, 2, 4, 8}
 
 
-def test_the_search_returns_what_a_full_evaluation_does():
-    work = planner.workload("1b", 4, global_batch=32)
+@pytest.mark.parametrize("model,gpus,batch,node", [
+    ("1b", 4, 32, None),
+    # one GPU a node, a batch of 4: deferring pipelines, where the optimistic time once exceeded
+    # the simulated one and GPipe dp4 pp2 was missed
+    ("1b", 8, 4, 1),
+    # interleaved chunks leaner than 1F1B (deferred weight gradients, autocast's cache under full recompute)
+    ("llama2-7b", 2, 2, 1),
+])
+def test_the_search_returns_what_a_full_evaluation_does(model, gpus, batch, node):
+    work = planner.workload(model, gpus, node, global_batch=batch)
     result = planner.plan(work, top=5)
     every = {}
     for lay in planner.enumerate_layouts(work):
@@ -397,3 +405,33 @@ def test_bad_input_exits_2_with_one_line_naming_the_flag(args, flag, capsys):
     assert cli_main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"meshlm: error: {flag}:")
+
+
+@pytest.mark.parametrize("model,gpus,batch,node", [("1b", 8, 4, 1), ("125m", 8, 32, None), ("llama3-8b", 8, 16, None)])
+def test_the_optimistic_step_time_never_exceeds_the_simulated_one(model, gpus, batch, node):
+    """The search stops at the first candidate whose optimistic time cannot enter the answer: a
+    bound above the simulated time would drop a layout that belongs in it."""
+    work = planner.workload(model, gpus, node, global_batch=batch)
+    pipelines = [lay for lay in planner.enumerate_layouts(work) if lay.pp > 1]
+    assert any(lay.tp == 1 and lay.zero <= 1 for lay in pipelines)  # deferring ones among them
+    over = [(lay, bound, t) for lay in pipelines
+            for bound, t in [(step_time(work, lay, simulate=False).step_time_s, step_time(work, lay).step_time_s)]
+            if bound > t * (1 + 1e-3)]  # (the simulation rounds op costs to 1e-3 of the slowest forward)
+    assert not over, over[:3]
+
+
+def test_a_layout_too_big_rules_out_only_layouts_that_need_at_least_as_much():
+    """The pruning's monotonicity, checked pair by pair against the memory model: deferred weight
+    gradients and autocast's cache make interleaved chunks leaner than 1F1B; without gradient
+    accumulation (or short of a pipeline's steady state) a larger micro-batch can need less."""
+    for model, gpus, batch in (("llama3-8b", 8, 16),):
+        work = planner.workload(model, gpus, global_batch=batch)
+        layouts = planner.enumerate_layouts(work)
+        mem = {lay: planner.memory_bytes(work, lay) for lay in layouts}
+        for a in layouts:
+            oracle = planner._MemoryOracle(work)
+            oracle.limit = -1  # every layout is too big: asking for a's bytes records it
+            oracle(a)
+            for b in layouts:
+                if b.structure()[:4] == a.structure()[:4] and b != a and oracle.ruled_out(b):
+                    assert mem[b] >= mem[a], (b, "ruled out by", a)

@@ -166,16 +166,24 @@ def memory_bytes(work: Workload, lay: Layout) -> int:
     The walk over a shorter schedule is what keeps the search within seconds."""
     from meshlm.analysis.memory import predict
 
-    m = work.global_batch // (lay.dp * lay.micro_batch_size)
-    cap = {"none": 2, "1f1b": lay.pp + 1, "gpipe": m, "interleaved": 3 * lay.pp}[lay.pp_schedule]
-    m = min(m, cap)
+    m = min(_micro_batches(work, lay), _peak_micro_batches(lay))
     return predict(layout_config(work, lay, lay.dp * lay.micro_batch_size * m)).peak_bytes
+
+
+def _micro_batches(work: Workload, lay: Layout) -> int:
+    return work.global_batch // (lay.dp * lay.micro_batch_size)
+
+
+def _peak_micro_batches(lay: Layout) -> int:
+    """How many micro-batches a step needs for its memory peak to be reached (memory_bytes):
+    GPipe's grows with every one."""
+    return {"none": 2, "1f1b": lay.pp + 1, "gpipe": 2**31, "interleaved": 3 * lay.pp}[lay.pp_schedule]
 
 
 class _MemoryOracle:
     """memory_bytes with a cache, and the monotonicity that spares most calls: within one structure
-    (dp tp pp cp), less ZeRO (among 0-2), less recompute or a larger micro-batch never
-    needs less memory, so a layout that does not fit rules those out."""
+    (dp tp pp cp), less ZeRO (among 0-2), less recompute or a larger micro-batch (see ruled_out)
+    never needs less memory, so a layout that does not fit rules those out."""
 
     def __init__(self, work: Workload) -> None:
         self.work, self.limit = work, work.gpu.usable_bytes
@@ -188,11 +196,21 @@ class _MemoryOracle:
 
     def ruled_out(self, lay: Layout) -> bool:
         """1F1B holds the fewest micro-batches in flight, so a 1F1B layout that does not fit rules
-        out every schedule; any other rules out its own schedule only."""
+        out every schedule, unless the stages defer weight gradients (`defers_weight_grads`: a
+        1F1B stage owes its whole stage's, an interleaved chunk's are a v-th of that); any other
+        rules out its own schedule only. Nor under autocast with full recompute (ZeRO-0 in
+        bf16): a forward caches the bf16 copies of its whole chunk's weights. A larger micro-batch is ruled out only where the step
+        still has the micro-batches its peak needs: with fewer (no accumulation, a pipeline short
+        of its steady state) no gradients are held at the fullest point, and GPipe holds every
+        micro-batch, the same tokens at any size."""
         r = RECOMPUTE_MODES.index(lay.recompute)
         sched = (lay.pp_schedule, lay.pp_virtual)
-        return any((s == sched or s == ("1f1b", 1)) and (lay.zero == z or lay.zero <= z <= 2) and r <= rz
-                   and lay.micro_batch_size >= b for s, z, rz, b in self.too_big.get(self._key(lay), ()))
+        whole = _micro_batches(self.work, lay) >= _peak_micro_batches(lay)
+        chunked_leaner = _chunks_can_be_leaner(self.work, lay)
+        return any((s == sched or (s == ("1f1b", 1) and not chunked_leaner))
+                   and (lay.zero == z or lay.zero <= z <= 2) and r <= rz
+                   and (lay.micro_batch_size == b or lay.micro_batch_size > b and whole)
+                   for s, z, rz, b in self.too_big.get(self._key(lay), ()))
 
     def __call__(self, lay: Layout) -> int:
         if lay not in self.cache:
@@ -204,9 +222,36 @@ class _MemoryOracle:
         return self.cache[lay]
 
 
-def _leanest(dp: int, tp: int, cp: int, pp: int) -> list[Layout]:
-    kind = "1f1b" if pp > 1 else "none"
-    return [Layout(dp, tp, pp, cp, z, "full", 1, kind) for z in ((2, 3) if dp * cp > 1 else (0,))]
+def defers_weight_grads(lay: Layout) -> bool:
+    """Do the stages after the first defer their weight gradients to a flush (the default
+    parallel.pp_defer_wgrad; tensor-parallel linears and ZeRO-2/3 never do)?"""
+    return lay.pp > 1 and lay.tp == 1 and lay.zero <= 1
+
+
+def _chunks_can_be_leaner(work: Workload, lay: Layout) -> bool:
+    """Can an interleaved schedule need less memory than 1F1B? Where what a stage holds grows
+    with its chunk's layers: weight gradients deferred over the chunk, or autocast's cache of
+    the chunk's bf16 weight copies through a fully recomputed forward (ZeRO-0 in bf16)."""
+    return defers_weight_grads(lay) or (work.dtype == "bfloat16" and lay.zero == 0 and lay.recompute == "full")
+
+
+def _leanest(work: Workload, dp: int, tp: int, cp: int, pp: int) -> list[Layout]:
+    """The structure's layouts that need the least memory: full recompute, one sequence a
+    micro-batch, 1F1B (and interleaved, where its chunks can be leaner)."""
+    zeros = (2, 3) if dp * cp > 1 else (0,)
+    if pp == 1:
+        return [Layout(dp, tp, pp, cp, z, "full", 1) for z in zeros]
+    out = [Layout(dp, tp, pp, cp, z, "full", 1, "1f1b") for z in zeros]
+    m = work.global_batch // dp
+    for kind, v in _schedules(work, pp):
+        lay = Layout(dp, tp, pp, cp, zeros[0], "full", 1, kind, v)
+        if kind == "interleaved" and _chunks_can_be_leaner(work, lay) and m % pp == 0:
+            try:
+                check_schedule(kind, pp, m, v)
+            except ScheduleError:
+                continue
+            out.append(lay)
+    return out
 
 
 # --------------------------------------------------------------------------- the search
@@ -231,10 +276,11 @@ def plan(work: Workload, top: int = 5) -> Plan:
         lay = cand.layout
         group = (lay.dp, lay.tp, lay.cp, lay.pp)
         if group not in viable:
-            viable[group] = min(memory(lean) for lean in _leanest(*group)) <= memory.limit
+            viable[group] = min(memory(lean) for lean in _leanest(work, *group)) <= memory.limit
         if not viable[group]:
             continue
-        if lay.pp_schedule == "interleaved":  # its 1F1B twin needs less and costs 1/v the walk
+        if lay.pp_schedule == "interleaved" and not _chunks_can_be_leaner(work, lay):
+            # its 1F1B twin needs less and costs 1/v the walk
             twin = Layout(lay.dp, lay.tp, lay.pp, lay.cp, lay.zero, lay.recompute, lay.micro_batch_size, "1f1b")
             if not memory.ruled_out(twin):
                 memory(twin)
@@ -286,7 +332,7 @@ def _does_not_fit(work: Workload, memory: _MemoryOracle) -> str:
         probe = _MemoryOracle(bigger)
         # Model parallelism first: the leanest structures, so the first that fits ends the probe.
         for dp, tp, cp, pp in sorted(structures(bigger), key=lambda s: (-s[1], s[2], s[3])):
-            if cp == 1 and any(probe(lay) <= probe.limit for lay in _leanest(dp, tp, cp, pp)):
+            if cp == 1 and any(probe(lay) <= probe.limit for lay in _leanest(bigger, dp, tp, cp, pp)):
                 fit = min(probe.cache, key=probe.cache.get)
                 return line + f"; it needs at least {n} GPUs (e.g. {describe(fit)}: {probe.cache[fit] / 2**30:.1f} GiB)"
     return line

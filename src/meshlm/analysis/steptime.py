@@ -328,8 +328,16 @@ def step_time(work: Workload, lay: Layout, simulate: bool = True) -> StepTime:
     if lay.pp == 1:
         pipe = busy[0]
     elif not simulate:
-        chunk_min = min((r.busy - r.weight_grads) / v for r in ranks)  # deferred weight grads may fill gaps
-        pipe = max(k * chunk_min + b for k, b in enumerate(busy))
+        # Rank k starts after k chunk forwards upstream; once its last input gradient is sent, the
+        # k ranks upstream still run one chunk backward each (the deferring ones only its
+        # input-gradient part; the first stage's, last of all, never defers), while rank k
+        # flushes the weight gradients it deferred (one chunk of one micro-batch) beside them.
+        defers = lay.zero <= 1 and lay.tp == 1
+        deferred = [r.weight_grads / v if defers else 0.0 for r in ranks]
+        f_min = min(r.forward / v for r in ranks)
+        b_min = min((r.busy - r.forward) / v - w for r, w in zip(ranks, deferred))
+        pipe = max(busy[0], max(k * f_min + busy[k] - deferred[k] + max(k * b_min + deferred[0], deferred[k])
+                                for k in range(1, lay.pp)))
     else:
         fwd = tuple(r.forward / v for r in ranks)
         bwd = tuple(r.backward / v for r in ranks)
