@@ -435,3 +435,18 @@ def test_a_layout_too_big_rules_out_only_layouts_that_need_at_least_as_much():
             for b in layouts:
                 if b.structure()[:4] == a.structure()[:4] and b != a and oracle.ruled_out(b):
                     assert mem[b] >= mem[a], (b, "ruled out by", a)
+
+
+def test_axis_groups_are_priced_at_their_slowest_and_tp_never_crosses_a_node():
+    """6 GPUs a node, 24 GPUs: tp=4 would put ranks 4-7 across nodes 0 and 1, so it is not a
+    structure; a collective is priced on a group that spans nodes when any of its axis does
+    (cp groups of stride 2: {0, 2} inside node 0, {4, 6} across), and a pipeline's hop on a
+    stage pair that crosses, whichever pair that is."""
+    work = planner.workload("llama3-8b", 24, gpus_per_node=6, global_batch=48)
+    assert {tp for _, tp, _, _ in planner.structures(work)} == {1, 2}
+    topo = work.topology
+    inside, across = topo.time("all_gather", 2**26, [0, 2]), topo.time("all_gather", 2**26, [4, 6])
+    assert across > inside
+    assert work.comm_time("all_gather", 2**26, 2, 2) == across
+    # stages 4 ranks apart: pair (0, 4) inside node 0, pair (4, 8) across
+    assert work.comm_time("p2p", 2**20, 2, 4) == topo.time("p2p", 2**20, [4, 8]) > topo.time("p2p", 2**20, [0, 4])

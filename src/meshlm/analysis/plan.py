@@ -88,7 +88,7 @@ def structures(work: Workload) -> list[tuple[int, int, int, int]]:
     m, n = work.model, work.n_gpus
     out = []
     for tp in _divisors(n):
-        if tp > work.gpus_per_node or not _tp_ok(m, tp):
+        if work.gpus_per_node % tp or not _tp_ok(m, tp):  # never TP across nodes (every group inside one)
             continue
         for cp in _divisors(n // tp):
             # causal load balancing needs 2*cp chunks; SP then splits each cp shard across tp

@@ -120,12 +120,21 @@ class Workload:
         return {}
 
     def comm_time(self, op: str, nbytes: float, size: int, stride: int) -> float:
-        """Seconds of one collective over the axis group of `size` ranks `stride` apart (the
-        first such group; groups are alike), from the alpha-beta model; memoised."""
+        """Seconds of one collective over the axis groups of `size` ranks `stride` apart, from the
+        alpha-beta model, priced on one that spans nodes if any does (the step waits for its
+        slowest group: with 6 GPUs a node and cp groups of stride 2, {0, 2} stays inside node 0
+        and {4, 6} does not); memoised."""
         key = (op, nbytes, size, stride)
         if key not in self._comm_cache:
-            self._comm_cache[key] = self.topology.time(op, nbytes, [i * stride for i in range(size)])
+            self._comm_cache[key] = self.topology.time(op, nbytes, self._slowest_group(size, stride, op == "p2p"))
         return self._comm_cache[key]
+
+    def _slowest_group(self, size: int, stride: int, neighbours: bool) -> list[int]:
+        """neighbours: any `size` consecutive members of the axis (a pipeline's stage pairs),
+        rather than the axis groups themselves."""
+        groups = ([base + i * stride for i in range(size)] for base in range(self.n_gpus - (size - 1) * stride)
+                  if neighbours or base // stride % size == 0)
+        return next((g for g in groups if self.topology.spans_nodes(g)), [i * stride for i in range(size)])
 
     @functools.cached_property
     def flop_rate(self) -> float:
