@@ -60,7 +60,16 @@ def _signature(rec: dict) -> str:
     return f"{op} [{rec['numel']}] {rec['dtype']}"
 
 
+def told_culprits(dumps: dict[int, dict]) -> list[int] | None:
+    """The odd ranks as the step-end fingerprint check found them (debug/fingerprint.py): an
+    all-gather over every rank, so it stands even when some ranks' dumps are missing (stopped by
+    torchrun before writing) and a vote over the dumps present would blame an innocent rank."""
+    told = [d for d in dumps.values() if d.get("reason") == "desync" and d.get("culprits")]
+    return sorted(min(told, key=lambda d: d.get("time", 0))["culprits"]) if told else None
+
+
 def find_desync(dumps: dict[int, dict]) -> dict | None:
+    culprits = told_culprits(dumps)
     found = []
     for key, by_rank in _streams(dumps).items():
         seqs = sorted(set().union(*(set(s) for s in by_rank.values())))
@@ -72,6 +81,10 @@ def find_desync(dumps: dict[int, dict]) -> dict | None:
             top, n = counts.most_common(1)[0]
             tie = list(counts.values()).count(n) > 1
             odd = sorted(calls) if tie else sorted(r for r, c in calls.items() if _signature(c) != top)
+            if culprits is not None:  # the fingerprint's verdict over every rank outranks a vote of the dumps here
+                odd = sorted(set(culprits) & set(calls))
+                if not odd:
+                    break  # a difference that involves no culprit is a consequence: look at other groups
             t0 = min(c["t_start"] for c in calls.values())
             found.append((t0, key, seq, calls, odd))
             break  # later numbers of this group only repeat the shift

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import sys
 
-from meshlm.debug.dumps import debug_dir, write_dump
+from meshlm.debug.dumps import debug_dir, wait_for_peers, write_dump
 from meshlm.debug.fingerprint import DesyncError
 from meshlm.debug.nonfinite import NonFiniteError
 from meshlm.debug.oom import is_out_of_memory, oom_report
-from meshlm.debug.watchdog import Watchdog
+from meshlm.debug.watchdog import PEER_GRACE_S, Watchdog
 from meshlm.errors import ConfigError, RunError
 
+# Failures every rank raises at the same step end (the fingerprint and the non-finite check are
+# all-gathers): the first rank to exit makes torchrun SIGTERM the rest, so each waits, as the
+# watchdog does, for the others' dumps; the verdict then compares a full set, whatever the order.
+EVERY_RANK = ("desync", "nonfinite")
 # Errors a rank sees because another rank died first: the other rank's dump holds the cause.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
              "NCCL communicator was aborted", "shared-memory barrier: peer")  # comm/shm_barrier.py's "... is gone"
@@ -81,6 +85,8 @@ class RankGuard:
         write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
                    comm=t.comm if t else None, error=error, report=lines,
                    culprits=getattr(error, "ranks", [self.rank]))
+        if kind in EVERY_RANK and self.world_size > 1:
+            wait_for_peers(self.cfg.run.dir, self.world_size, PEER_GRACE_S)
         # Under a launcher its one-line verdict says the rest (train/command.py's _failure_line); an
         # OOM's block is longer.
         if kind == "oom" or self.world_size == 1:
