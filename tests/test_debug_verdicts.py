@@ -67,3 +67,84 @@ def test_a_rank_that_raises_a_desync_waits_for_its_peers_dumps(corpus, tmp_path,
     late.join()
     assert 0.9 < waited < 4.0, waited  # waited for the peer's dump, and no longer
     assert analyze(tmp_path)["ranks"] == [1]
+
+
+# ---------------------------------------------------------------- 2. a stuck peer is a hang, not a lost one
+
+def _stuck_peer(late_s):
+    """Rank 1 stays away (alive) from the second all-reduce past the process group's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout, ParallelContext, group_timeout
+
+    comm = Comm(ParallelContext(Layout(dp=2)))
+    comm.all_reduce(torch.ones(4), "dp")  # opens the window: its barrier is the futex one here
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), "dp")
+    except TimeoutError as e:
+        from meshlm.debug.guard import failure_kind
+
+        return str(e), time.monotonic() - t0, failure_kind(e), group_timeout().total_seconds()
+    return "returned", time.monotonic() - t0, None, None
+
+
+def test_the_shared_memory_barrier_gives_up_at_the_groups_timeout_and_that_is_a_timeout():
+    """The barrier gave up after gloo's default 30 min whatever the configured timeout, and its
+    "has not arrived" matched the lost-peer marker: a stuck peer was reported as a crash."""
+    from datetime import timedelta
+
+    from meshlm.comm import shm_barrier
+    from meshlm.testing import run_ranks
+
+    if not shm_barrier.usable():
+        pytest.skip("the futex barrier is x86-64 Linux only")
+    message, seconds, kind, configured = run_ranks(_stuck_peer, 2, 5.0, pg_timeout=timedelta(seconds=2), timeout=60)[0]
+    assert configured == 2 and "has not arrived" in message and 2 <= seconds < 4.5, (message, seconds)
+    assert kind == "timeout"
+
+
+def test_a_gone_peer_is_lost_and_only_the_barriers_own_words_decide():
+    from meshlm.debug.guard import failure_kind
+
+    gone = RuntimeError("shared-memory barrier: peer 1 of 2 (pid 7) is gone; this rank waited 3 s for it")
+    stuck = TimeoutError("shared-memory barrier: peer 1 of 2 (pid 7) has not arrived in 1860 s")
+    assert (failure_kind(gone), failure_kind(stuck)) == ("peer_lost", "timeout")
+    assert failure_kind(TimeoutError("read timed out (the corpus download)")) == "error"
+
+
+def _groups_timeouts():
+    from meshlm.mesh import Layout, ParallelContext, group_timeout
+
+    ctx = ParallelContext(Layout(tp=2, dp=2))
+    return [group_timeout(ctx.group(axis)).total_seconds() for axis in ("tp", "dp", "world")]
+
+
+def test_every_group_keeps_the_configured_timeout():
+    """new_group takes gloo's 30 min unless told: the world's timeout (backend_timeout) must reach
+    the tp and dp groups too, and the shared-memory windows on them."""
+    from datetime import timedelta
+
+    from meshlm.testing import run_ranks
+
+    for timeouts in run_ranks(_groups_timeouts, 4, pg_timeout=timedelta(seconds=123)):
+        assert timeouts == [123, 123, 123]
+
+
+def test_a_barrier_timeout_is_dumped_as_a_timeout_and_analysed_as_a_hang(corpus, tmp_path):
+    """Rank 0's guard dumps "timeout" (not "peer_lost"); with its pending all-reduce #5 and rank 1's
+    watchdog dump (stuck elsewhere), the verdict names rank 1 and the collective, not a crash."""
+    from meshlm.debug.guard import RankFailed, RankGuard
+
+    write(tmp_path, 1, 2, [rec(4)], {"dp": [0, 1]}, reason="timeout")
+    with pytest.raises(RankFailed), RankGuard(small_cfg(corpus, tmp_path, 2, "parallel.dp=2"), 0, 2):
+        raise TimeoutError("shared-memory barrier: peer 1 of 2 (pid 7) has not arrived in 1860 s")
+    assert json.loads((tmp_path / "debug" / "rank0.json").read_text())["reason"] == "timeout"
+    write(tmp_path, 0, 2, [rec(4), rec(5, done=False, t=1.0)], {"dp": [0, 1]}, reason="timeout")
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"]) == ("hang", [1], 5), v["line"]

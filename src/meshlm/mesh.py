@@ -249,6 +249,18 @@ def default_device(backend: str, rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def group_timeout(group=None):
+    """A process group's own timeout (init_process_group's: `backend_timeout` under `meshlm train`).
+    torch keeps it in the backend's options only; gloo's default where those cannot be read."""
+    group = dist.group.WORLD if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return dist.default_pg_timeout
+
+
 class ParallelContext:
     """This rank's place in the layout, with one process group per axis combination it needs.
 
@@ -295,7 +307,8 @@ class ParallelContext:
         if len(ranks) == self.world_size:
             return dist.group.WORLD  # the world already exists; a copy would cost a communicator
         self.groups_created += 1
-        return dist.new_group(list(ranks))
+        # new_group takes gloo's 30 min, not the world's timeout, unless told: every group keeps the configured one.
+        return dist.new_group(list(ranks), timeout=group_timeout())
 
     def _build(self, axes: tuple[str, ...]) -> None:
         if axes in self._groups:

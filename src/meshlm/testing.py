@@ -38,7 +38,7 @@ class RankTimeout(AssertionError):
     """Ranks were still running when the timeout expired (a hang or deadlock)."""
 
 
-def _child(fn, rank, world_size, store_path, backend, conn, args, kwargs):
+def _child(fn, rank, world_size, store_path, backend, conn, args, kwargs, pg_timeout=None):
     import torch
     import torch.distributed as dist
 
@@ -46,7 +46,8 @@ def _child(fn, rank, world_size, store_path, backend, conn, args, kwargs):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        extra = {} if pg_timeout is None else {"timeout": pg_timeout}  # the process group's own (default: torch's)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -67,6 +68,7 @@ def run_ranks(
     timeout: float = 120.0,
     backend: str = "gloo",
     start_method: str = "fork",
+    pg_timeout=None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks with torch.distributed initialised.
@@ -75,7 +77,8 @@ def run_ranks(
     values in rank order (they must be picklable). Raises RankFailure if any rank raised and
     RankTimeout if any rank is still running after ``timeout`` seconds. ``start_method="spawn"``
     for ranks that use CUDA: a forked child cannot, once the parent has touched CUDA; ``fn``
-    must then be importable by name (a module-level function).
+    must then be importable by name (a module-level function). ``pg_timeout`` (a timedelta): the
+    process group's own timeout, as `meshlm train` sets it (default: torch's).
     """
     ctx = mp.get_context(start_method)
     tmpdir = tempfile.mkdtemp(prefix="meshlm-ranks-")
@@ -86,7 +89,7 @@ def run_ranks(
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, store_path, backend, child_end, args, kwargs),
+                args=(fn, rank, world_size, store_path, backend, child_end, args, kwargs, pg_timeout),
                 daemon=True,
             )
             p.start()

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meshlm.comm import shm_barrier
+from meshlm.mesh import group_timeout
 
 WINDOW_BYTES = 16 * 2**20  # per slot: a 25 MiB DDP bucket takes two chunks
 MIN_WINDOW_BYTES = 2**20  # below this, /dev/shm is too small to be worth it: gloo's op
@@ -104,7 +105,7 @@ class SharedWindow:
     """Two windows of n slots in memory shared by the ranks of one group. `open` is collective."""
 
     def __init__(self, buffer, group, n: int, me: int, slot_bytes: int, requested: int, futex: bool,
-                 clock: BarrierClock):
+                 clock: BarrierClock, give_up_s: float | None = None):
         # The mmap itself; tensors over it exist only while an op runs, so nothing that scans a
         # process's tensors (the memory tracker, the tests' live-bytes count) takes library memory
         # for model state.
@@ -114,8 +115,9 @@ class SharedWindow:
         self.phase = 0
         self._header = shm_barrier.header_bytes(n)
         # The barrier between phases: counters in the window's header (comm/shm_barrier.py), or
-        # gloo's where their ordering argument does not hold.
-        self.barrier = shm_barrier.FutexBarrier(buffer, n, me) if futex else None
+        # gloo's where their ordering argument does not hold. Either gives up on a stuck peer at the
+        # group's own timeout (`give_up_s`), as gloo's barrier does.
+        self.barrier = shm_barrier.FutexBarrier(buffer, n, me, give_up_s) if futex else None
         self.clock = clock
 
     @classmethod
@@ -159,7 +161,8 @@ class SharedWindow:
             os.unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
         if not int(every_mapped):
             return None
-        window = cls(mapped, group, n, me, slot_bytes, requested, futex, clock or BarrierClock())
+        window = cls(mapped, group, n, me, slot_bytes, requested, futex, clock or BarrierClock(),
+                     group_timeout(group).total_seconds())
         dist.barrier(group=group)  # every rank's pid is in the header before anyone waits on it
         return window
 

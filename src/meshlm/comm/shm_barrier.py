@@ -24,8 +24,10 @@ cannot issue, so there `usable()` is False and the windows keep gloo's barrier.
 
 A peer that died never arrives: the waiter wakes once a second to check that the late peer's
 process still runs (pids are in the header; the window asks all ranks to share a pid namespace)
-and raises, as gloo's barrier would on the closed connection; a peer alive but absent for gloo's
-default timeout (30 min) raises too.
+and raises, as gloo's barrier would on the closed connection (`GONE` in the message); a peer
+alive but absent for the process group's own timeout (`meshlm train`: `backend_timeout`, past the
+watchdog's limits) raises TimeoutError (`STUCK`), as gloo's barrier would at that timeout: a hang,
+not a lost peer (debug/guard.py tells the two apart by these words).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ import torch.distributed as dist
 
 LINE = 64  # bytes per counter: one cache line, so a rank's store never invalidates another's line
 LIVENESS_EVERY_S = 1
-# A peer alive but stuck (a deadlock elsewhere) raises after gloo's default timeout, as gloo's
-# barrier did; `meshlm train`'s watchdog (debug/watchdog.py) speaks long before, with dumps.
+# A peer alive but stuck (a deadlock elsewhere) raises after the group's timeout (the window passes
+# it); this default serves a barrier made without one, gloo's default as gloo's barrier has.
+# `meshlm train`'s watchdog (debug/watchdog.py) speaks before either, with dumps.
 GIVE_UP_S = dist.default_pg_timeout.total_seconds()
+GONE, STUCK = "is gone", "has not arrived"  # the two failures' words, matched by debug/guard.py
 SYS_FUTEX = 202  # x86-64's syscall number (`usable()` admits no other architecture)
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # the shared (not _PRIVATE) forms: the word lives in a shared mapping
 WAKE_ALL = 2**31 - 1
@@ -78,8 +82,9 @@ class FutexBarrier:
     on every rank after the buffer is mapped, and pass a gloo barrier before any rank's first
     `wait` (so every pid is in place)."""
 
-    def __init__(self, buffer, n: int, me: int) -> None:
+    def __init__(self, buffer, n: int, me: int, give_up_s: float | None = None) -> None:
         self.n, self.me = n, me
+        self.give_up_s = give_up_s  # None: GIVE_UP_S, read when it is needed
         self._counters = [ctypes.c_int64.from_buffer(buffer, j * LINE) for j in range(n)]
         pids = ctypes.c_int64.from_buffer(buffer, n * LINE)
         self._pids = (ctypes.c_int64 * n).from_address(ctypes.addressof(pids))
@@ -121,10 +126,10 @@ class FutexBarrier:
     def _check_alive(self, j: int, waited: float) -> None:
         pid = self._pids[j]
         if not _running(pid):
-            raise RuntimeError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) is gone; "
+            raise RuntimeError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) {GONE}; "
                                f"this rank waited {waited:.0f} s for it")
-        if waited > GIVE_UP_S:  # alive but stuck: what gloo's barrier would do at its timeout
-            raise TimeoutError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) has not arrived "
+        if waited > (GIVE_UP_S if self.give_up_s is None else self.give_up_s):  # alive but stuck: gloo's timeout
+            raise TimeoutError(f"shared-memory barrier: peer {j} of {self.n} (pid {pid}) {STUCK} "
                                f"in {waited:.0f} s")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from meshlm.comm.shm_barrier import GONE, STUCK
 from meshlm.debug.dumps import debug_dir, wait_for_peers, write_dump
 from meshlm.debug.fingerprint import DesyncError
 from meshlm.debug.nonfinite import NonFiniteError
@@ -19,12 +20,17 @@ from meshlm.debug.watchdog import PEER_GRACE_S, Watchdog
 from meshlm.errors import ConfigError, RunError
 
 # Failures every rank raises at the same step end (the fingerprint and the non-finite check are
-# all-gathers): the first rank to exit makes torchrun SIGTERM the rest, so each waits, as the
-# watchdog does, for the others' dumps; the verdict then compares a full set, whatever the order.
-EVERY_RANK = ("desync", "nonfinite")
+# all-gathers), and a wait that timed out (the stuck peer's own watchdog dumps about then): the
+# first rank to exit makes torchrun SIGTERM the rest, so each waits, as the watchdog does, for the
+# others' dumps; the verdict then compares a full set, whatever the order.
+EVERY_RANK = ("desync", "nonfinite", "timeout")
 # Errors a rank sees because another rank died first: the other rank's dump holds the cause.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-             "NCCL communicator was aborted", "shared-memory barrier: peer")  # comm/shm_barrier.py's "... is gone"
+             "NCCL communicator was aborted")
+# comm/shm_barrier.py's two failures: a peer "is gone" (lost), or "has not arrived" within the
+# group's timeout, still running: a hang, analysed as the watchdog's dumps are, not a lost peer
+# (whose verdict is a crash of the rank without a dump, or blames the slow rank's peer).
+SHM_BARRIER = "shared-memory barrier: peer"
 
 
 class RankFailed(Exception):
@@ -42,7 +48,10 @@ def failure_kind(error: BaseException) -> str:
         return "desync"
     if is_out_of_memory(error):
         return "oom"
-    if any(marker in str(error) for marker in PEER_LOST):
+    text = str(error)
+    if SHM_BARRIER in text and STUCK in text:
+        return "timeout"
+    if any(marker in text for marker in PEER_LOST) or (SHM_BARRIER in text and GONE in text):
         return "peer_lost"
     return "error"
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from meshlm.comm import Comm
 from meshlm.comm.traced import P2P, Handle
+from meshlm.mesh import group_timeout
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 6
@@ -66,7 +67,7 @@ class PipelineP2P:
         # interleaved schedule here (the torch profiler's c10d::recv_). Messages from the higher
         # to the lower rank therefore get a connection of their own: a second world group.
         # (Collective: every rank builds its PipelineP2P at the same point.) NCCL has no such lock.
-        self._downward = dist.new_group(list(range(ctx.world_size))) \
+        self._downward = dist.new_group(list(range(ctx.world_size)), timeout=group_timeout()) \
             if ctx.backend == "gloo" and pp > 1 and dist.is_initialized() else None
 
     def global_rank(self, pp_rank: int) -> int:
