@@ -21,43 +21,10 @@ from collections import Counter
 from pathlib import Path
 
 from meshlm.debug.dumps import read_dumps
+from meshlm.debug.hang import find_hang
+from meshlm.debug.streams import label, members, pending, signature, streams, where
 
 OWN_FAILURES = ("oom", "nonfinite", "desync", "error")
-
-
-def _channel(record: dict, me: int) -> tuple:
-    """The ordered stream a record belongs to, named the same way on every rank that shares it."""
-    if record["op"] == "send":
-        return ("p2p", me, record["peer"])
-    if record["op"] == "recv":
-        return ("p2p", record["peer"], me)
-    return ("group", record["axis"])
-
-
-def _streams(dumps: dict[int, dict]) -> dict[tuple, dict[int, dict[int, dict]]]:
-    """(group key) -> rank -> seq -> record. A group key is ('group', label, ranks) or
-    ('p2p', sender, receiver)."""
-    out: dict[tuple, dict[int, dict[int, dict]]] = {}
-    for rank, dump in dumps.items():
-        groups = dump.get("groups", {})
-        for rec in dump.get("records", []):
-            ch = _channel(rec, rank)
-            key = ch if ch[0] == "p2p" else ("group", ch[1], tuple(groups.get(ch[1], ())))
-            out.setdefault(key, {}).setdefault(rank, {})[rec["seq"]] = rec
-    return out
-
-
-def _members(key: tuple) -> tuple[int, ...]:
-    return key[2] if key[0] == "group" else (key[1], key[2])
-
-
-def _label(key: tuple) -> str:
-    return f"{key[1]} {list(key[2])}" if key[0] == "group" else f"p2p {key[1]}->{key[2]}"
-
-
-def _signature(rec: dict) -> str:
-    op = "send/recv" if rec["op"] in ("send", "recv") else rec["op"]
-    return f"{op} [{rec['numel']}] {rec['dtype']}"
 
 
 def told_culprits(dumps: dict[int, dict]) -> list[int] | None:
@@ -71,16 +38,16 @@ def told_culprits(dumps: dict[int, dict]) -> list[int] | None:
 def find_desync(dumps: dict[int, dict]) -> dict | None:
     culprits = told_culprits(dumps)
     found = []
-    for key, by_rank in _streams(dumps).items():
+    for key, by_rank in streams(dumps).items():
         seqs = sorted(set().union(*(set(s) for s in by_rank.values())))
         for seq in seqs:
             calls = {r: s[seq] for r, s in by_rank.items() if seq in s}
-            if len(calls) < 2 or len({_signature(c) for c in calls.values()}) == 1:
+            if len(calls) < 2 or len({signature(c) for c in calls.values()}) == 1:
                 continue
-            counts = Counter(_signature(c) for c in calls.values())
+            counts = Counter(signature(c) for c in calls.values())
             top, n = counts.most_common(1)[0]
             tie = list(counts.values()).count(n) > 1
-            odd = sorted(calls) if tie else sorted(r for r, c in calls.items() if _signature(c) != top)
+            odd = sorted(calls) if tie else sorted(r for r, c in calls.items() if signature(c) != top)
             if culprits is not None:  # the fingerprint's verdict over every rank outranks a vote of the dumps here
                 odd = sorted(set(culprits) & set(calls))
                 if not odd:
@@ -91,98 +58,12 @@ def find_desync(dumps: dict[int, dict]) -> dict | None:
     if not found:
         return None
     _, key, seq, calls, odd = min(found, key=lambda f: f[0])
-    what = "; ".join(f"rank {r}: {_signature(c)}" for r, c in sorted(calls.items()))
+    what = "; ".join(f"rank {r}: {signature(c)}" for r, c in sorted(calls.items()))
     names = ", ".join(map(str, odd))
     return {"verdict": "desync", "ranks": odd, "group": key[1] if key[0] == "group" else "p2p",
-            "group_ranks": list(_members(key)), "seq": seq, "op": calls[odd[0]]["op"],
-            "line": f"desync: at collective #{seq} on {_label(key)}, rank{'s' if len(odd) > 1 else ''} {names} "
+            "group_ranks": list(members(key)), "seq": seq, "op": calls[odd[0]]["op"],
+            "line": f"desync: at collective #{seq} on {label(key)}, rank{'s' if len(odd) > 1 else ''} {names} "
                     f"called something else than {'each other' if len(odd) == len(calls) else 'the others'} ({what})"}
-
-
-def _entered(by_rank: dict[int, dict[int, dict]], rank: int) -> int:
-    return max(by_rank.get(rank, {}), default=-1)
-
-
-def _pending(dump: dict) -> list[dict]:
-    """The ops a rank had started and not finished when it dumped."""
-    return [r for r in dump.get("records", []) if r.get("t_end") is None]
-
-
-def _stuck_groups(dumps: dict[int, dict]) -> list[tuple]:
-    """(start time, key, seq, op, waiting ranks, ranks that never entered) for each group where a
-    rank waits in #k that a member never entered (or left no dump to say)."""
-    out = []
-    for key, by_rank in _streams(dumps).items():
-        for rank, seqs in by_rank.items():
-            waiting = [rec for rec in seqs.values() if rec.get("t_end") is None]
-            if not waiting:
-                continue
-            first = min(waiting, key=lambda rec: rec["seq"])
-            k = first["seq"]
-            absent = [m for m in _members(key) if m != rank and (m not in dumps or _entered(by_rank, m) < k)]
-            if absent:
-                waiters = [r for r, s in by_rank.items() if k in s and s[k].get("t_end") is None]
-                out.append((first["t_start"], key, k, first["op"], waiters, absent))
-    return sorted(out, key=lambda x: x[0])
-
-
-def _behind_groups(dumps: dict[int, dict]) -> list[tuple]:
-    """The same tuples, for dumps in which no rank is inside a collective: on a GPU every record is
-    finished once its op is queued (the stream waits, not the host, which blocks later, reading a
-    result). There a hang shows as a group whose members reached different numbers: those ahead
-    queued #k and their streams wait in it; those behind never issued it."""
-    out = []
-    for key, by_rank in _streams(dumps).items():
-        if key[0] != "group":
-            continue
-        reached = {m: _entered(by_rank, m) for m in _members(key)}  # -1: no record, or no dump
-        top = max(reached.values())
-        behind = [m for m, k in reached.items() if k < top]
-        if behind:
-            ahead = [m for m, k in reached.items() if k == top]
-            first = by_rank[ahead[0]][top]
-            out.append((first["t_start"], key, top, first["op"], ahead, behind))
-    return sorted(out, key=lambda x: x[0])
-
-
-def _where(dump: dict | None) -> str:
-    """Where the rank's main thread was, e.g. 'in before_step (faults.py:52)': the innermost
-    meshlm frame of the exception's traceback, or of the main thread's stack for a timeout."""
-    if not dump:
-        return "left no dump"
-    frames = (dump.get("error") or {}).get("traceback") or next(
-        (f for name, f in dump.get("stacks", {}).items() if name.startswith("MainThread")), [])
-    heads = [line.strip().splitlines()[0] for line in frames if line.strip().startswith("File ")]
-    ours = [h for h in heads if "/meshlm/" in h and "/meshlm/comm/" not in h] or heads  # the op's caller
-    if ours:
-        parts = ours[-1].replace('"', "").replace(",", "").split()  # File PATH line N in FUNC
-        if len(parts) >= 6:
-            return f"in {parts[5]} ({Path(parts[1]).name}:{parts[3]})"
-    return f"in the {dump.get('phase')} phase"
-
-
-def find_hang(dumps: dict[int, dict]) -> dict | None:
-    stuck = _stuck_groups(dumps) or _behind_groups(dumps)
-    if not stuck:
-        return None
-    _, key, seq, op, waiters, absent = stuck[0]
-    culprits = absent
-    seen = set(culprits)
-    for _ in range(len(dumps)):  # follow a culprit that itself waits on someone else
-        nxt = [s for s in stuck if set(s[4]) & set(culprits) and not set(s[5]) <= seen]
-        if not nxt:
-            break
-        culprits = [r for r in nxt[0][5] if r not in seen] or culprits
-        seen |= set(culprits)
-    step = max((d.get("step") or 0) for d in dumps.values()) + 1
-    root = culprits[0]
-    waited = max((dumps[w].get("idle_s") or 0) for w in waiters) if waiters else 0
-    chain = "" if culprits == absent else f" (which wait on rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))})"
-    line = (f"hang: rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never entered collective #{seq} "
-            f"({op} on {_label(key)}) at step {step}{chain}; rank{'s' if len(waiters) > 1 else ''} "
-            f"{', '.join(map(str, waiters))} waited in it {waited:.1f} s; rank {root} was {_where(dumps.get(root))}")
-    return {"verdict": "hang", "ranks": culprits, "group": key[1] if key[0] == "group" else "p2p",
-            "group_ranks": list(_members(key)), "seq": seq, "op": op, "step": step, "line": line}
 
 
 def find_failure(dumps: dict[int, dict]) -> dict | None:
@@ -195,9 +76,9 @@ def find_failure(dumps: dict[int, dict]) -> dict | None:
     report = first.get("report") or [first.get("error", {}).get("message", "")]
     if kind == "error":  # the exception's own traceback: where the bug is
         report = [report[0], *(line.rstrip() for line in (first.get("error") or {}).get("traceback", [])[-8:])]
-    pending = _pending(first)
-    return {"verdict": kind, "ranks": ranks, "group": pending[0]["axis"] if pending else None,
-            "seq": pending[0]["seq"] if pending else None, "op": pending[0]["op"] if pending else None,
+    waits = pending(first)
+    return {"verdict": kind, "ranks": ranks, "group": waits[0]["axis"] if waits else None,
+            "seq": waits[0]["seq"] if waits else None, "op": waits[0]["op"] if waits else None,
             "step": (first.get("step") or 0) + 1, "phase": first.get("phase"), "line": f"{kind}: {report[0]}",
             "details": report[1:]}
 
@@ -232,11 +113,11 @@ def analyze(run_dir: Path | str) -> dict:
 
 
 def _rank_line(d: dict) -> str:
-    pending = _pending(d)
-    inside = (f"waiting in {pending[0]['op']} #{pending[0]['seq']} on {pending[0]['axis']}" if pending
+    waits = pending(d)
+    inside = (f"waiting in {waits[0]['op']} #{waits[0]['seq']} on {waits[0]['axis']}" if waits
               else "in no collective")
     return (f"rank {d['rank']} ({d.get('host')}, pid {d.get('pid')}): {d['reason']} at step {(d.get('step') or 0) + 1} "
-            f"({d.get('phase')}), {inside}, {_where(d)}")
+            f"({d.get('phase')}), {inside}, {where(d)}")
 
 
 def analyze_finished(run_dir: Path) -> dict:
@@ -293,9 +174,9 @@ def _groups_from_config(run_dir: Path, rank: int, records: list[dict], world: in
     except Exception:
         return {}
     groups = {}
-    for label in {r["axis"] for r in records if r["op"] not in ("send", "recv")}:
+    for axis in {r["axis"] for r in records if r["op"] not in ("send", "recv")}:
         try:
-            groups[label] = list(layout.group_of(rank, normalize_axes("world" if label == "world" else label.split("+"))))
+            groups[axis] = list(layout.group_of(rank, normalize_axes("world" if axis == "world" else axis.split("+"))))
         except ValueError:  # a label that is not an axis combination: compared by label alone
             continue
     return groups
