@@ -148,3 +148,33 @@ def test_a_barrier_timeout_is_dumped_as_a_timeout_and_analysed_as_a_hang(corpus,
     write(tmp_path, 0, 2, [rec(4), rec(5, done=False, t=1.0)], {"dp": [0, 1]}, reason="timeout")
     v = analyze(tmp_path)
     assert (v["verdict"], v["ranks"], v["seq"]) == ("hang", [1], 5), v["line"]
+
+
+# ---------------------------------------------------------------- 3. lock-order cycles
+
+TP2_DP2 = {0: {"tp": [0, 1], "dp": [0, 2]}, 1: {"tp": [0, 1], "dp": [1, 3]}, 2: {"tp": [2, 3], "dp": [0, 2]},
+           3: {"tp": [2, 3], "dp": [1, 3]}}
+
+
+def test_collectives_called_in_different_orders_are_a_deadlock_not_one_ranks_hang(tmp_path):
+    """Ranks 0 and 3 call dp then tp, ranks 1 and 2 tp then dp: each waits in its first, which the
+    rank it needs has not reached. The wait chain used to stop once it had seen every rank and
+    blame the last one (rank 2), though it waits too."""
+    for r, first in ((0, "dp"), (1, "tp"), (2, "tp"), (3, "dp")):
+        write(tmp_path, r, 4, [rec(0, axis="tp"), rec(0, axis="dp"), rec(1, axis=first, done=False, t=1.0 + r)],
+              TP2_DP2[r])
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"], v["op"]) == ("deadlock", [0, 1, 2, 3], 1, "all_reduce"), v["line"]
+    for rank, axis, nxt in ((0, "dp [0, 2]", 2), (2, "tp [2, 3]", 3), (3, "dp [1, 3]", 1), (1, "tp [0, 1]", 0)):
+        assert f"rank {rank} waits in all_reduce #1 on {axis} for rank {nxt}" in v["line"]
+    assert v["line"].startswith("deadlock: ranks 0, 1, 2, 3 wait on each other")
+
+
+def test_a_cycle_of_two_receives_names_the_cycle_only(tmp_path):
+    """Ranks 0 and 1 each receive from the other first (neither sends); rank 2 waits in a dp
+    all-reduce for rank 1: a consequence, not part of the deadlock."""
+    write(tmp_path, 0, 3, [rec(0, op="recv", axis="pp", peer=1, done=False)], {})
+    write(tmp_path, 1, 3, [rec(0, op="recv", axis="pp", peer=0, done=False)], {"dp": [1, 2]})
+    write(tmp_path, 2, 3, [rec(0, axis="dp", done=False)], {"dp": [1, 2]})
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"]) == ("deadlock", [0, 1]), v["line"]

@@ -8,7 +8,8 @@ Every collective carries a per-group sequence number (comm/recorder.py): on ever
 group, the k-th collective on that group is #k. So, comparing the ranks of one group:
 - desync: at the same #k, ranks called different ops, shapes or dtypes;
 - hang: some rank waits in #k that another rank of the group never entered; the culprit is the
-  rank that never entered it (followed through other groups to the rank waiting in none);
+  rank that never entered it (followed through other groups to the ranks waiting in none);
+  deadlock: every rank reached waits on another, in a cycle (debug/hang.py);
 - a rank's own failure (oom, nonfinite, error) is the cause when no desync explains it; ranks
   that only lost their peer ("connection closed") are its consequence.
 Point-to-point ops pair rank A's "send to B" #k with B's "receive from A" #k.

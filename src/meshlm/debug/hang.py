@@ -43,25 +43,69 @@ def _behind_groups(dumps: dict[int, dict]) -> list[tuple]:
     return sorted(out, key=lambda x: x[0])
 
 
+def _wait_for(stuck: list[tuple]) -> dict[int, dict[int, tuple]]:
+    """The wait-for graph: rank -> {rank it waits for: (key, seq, op) it waits in}. A rank waits
+    on nothing when it is in no collective, or all it waits in holds every member (or left no dump)."""
+    graph: dict[int, dict[int, tuple]] = {}
+    for _, key, seq, op, waiters, absent in stuck:
+        for w in waiters:
+            for a in absent:
+                graph.setdefault(w, {}).setdefault(a, (key, seq, op))
+    return graph
+
+
+def _reachable(graph: dict[int, dict[int, tuple]], start: list[int]) -> list[int]:
+    seen, todo = set(start), list(start)
+    while todo:
+        for nxt in graph.get(todo.pop(), {}):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return sorted(seen)
+
+
+def _cycle(graph: dict[int, dict[int, tuple]], start: int) -> list[int]:
+    """Follow the lowest rank waited for until one repeats: every rank on the way waits on someone."""
+    path = [start]
+    while (nxt := min(graph[path[-1]])) not in path:
+        path.append(nxt)
+    cycle = path[path.index(nxt):]
+    first = cycle.index(min(cycle))  # told from its lowest rank on
+    return cycle[first:] + cycle[:first]
+
+
 def find_hang(dumps: dict[int, dict]) -> dict | None:
+    """The ranks the first stuck group waits for, followed through the wait-for graph to those that
+    wait on nothing (the roots: the hang's cause). When every rank reached waits on another, no rank
+    is the root: they wait on each other in a cycle (collectives called in different orders)."""
     stuck = _stuck_groups(dumps) or _behind_groups(dumps)
     if not stuck:
         return None
     _, key, seq, op, waiters, absent = stuck[0]
-    culprits = absent
-    seen = set(culprits)
-    for _ in range(len(dumps)):  # follow a culprit that itself waits on someone else
-        nxt = [s for s in stuck if set(s[4]) & set(culprits) and not set(s[5]) <= seen]
-        if not nxt:
-            break
-        culprits = [r for r in nxt[0][5] if r not in seen] or culprits
-        seen |= set(culprits)
+    graph = _wait_for(stuck)
     step = max((d.get("step") or 0) for d in dumps.values()) + 1
-    root = culprits[0]
+    roots = [r for r in _reachable(graph, absent) if not graph.get(r)]
+    if not roots:
+        return _deadlock(graph, _cycle(graph, absent[0]), step)
+    culprits, root = roots, roots[0]
     waited = max((dumps[w].get("idle_s") or 0) for w in waiters) if waiters else 0
-    chain = "" if culprits == absent else f" (which wait on rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))})"
+    chain = "" if roots == absent else f" (which wait on rank{'s' if len(roots) > 1 else ''} {', '.join(map(str, roots))})"
     line = (f"hang: rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never entered collective #{seq} "
             f"({op} on {label(key)}) at step {step}{chain}; rank{'s' if len(waiters) > 1 else ''} "
             f"{', '.join(map(str, waiters))} waited in it {waited:.1f} s; rank {root} was {where(dumps.get(root))}")
     return {"verdict": "hang", "ranks": culprits, "group": key[1] if key[0] == "group" else "p2p",
+            "group_ranks": list(members(key)), "seq": seq, "op": op, "step": step, "line": line}
+
+
+def _deadlock(graph: dict[int, dict[int, tuple]], cycle: list[int], step: int) -> dict:
+    waits = []
+    for i, rank in enumerate(cycle):
+        nxt = cycle[(i + 1) % len(cycle)]
+        key, seq, op = graph[rank][nxt]
+        waits.append(f"rank {rank} waits in {op} #{seq} on {label(key)} for rank {nxt}")
+    key, seq, op = graph[cycle[0]][cycle[1 % len(cycle)]]
+    line = (f"deadlock: ranks {', '.join(map(str, sorted(cycle)))} wait on each other at step {step}, each in a "
+            f"collective the next has not reached: {'; '.join(waits)}; no rank is behind the others: the ranks "
+            f"call the collectives of their groups in different orders")
+    return {"verdict": "deadlock", "ranks": sorted(cycle), "group": key[1] if key[0] == "group" else "p2p",
             "group_ranks": list(members(key)), "seq": seq, "op": op, "step": step, "line": line}
