@@ -178,3 +178,51 @@ def test_a_cycle_of_two_receives_names_the_cycle_only(tmp_path):
     write(tmp_path, 2, 3, [rec(0, axis="dp", done=False)], {"dp": [1, 2]})
     v = analyze(tmp_path)
     assert (v["verdict"], v["ranks"]) == ("deadlock", [0, 1]), v["line"]
+
+
+# ---------------------------------------------------------------- 4. nodes with a run.dir each
+
+def test_ranks_of_another_node_are_not_reported_dead(tmp_path):
+    """Two nodes, a run.dir each (docs: Multi-node runs): rank 1 failed on the other node, so this
+    run.dir holds rank 0's lost-peer dump alone. Not "rank 1 died without a report"."""
+    write(tmp_path, 0, 2, [rec(0), rec(1, done=False)], {"dp": [0, 1]}, reason="peer_lost", dir_ranks=[0])
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["elsewhere"]) == ("elsewhere", [1], [1]), v["line"]
+    assert "died" not in v["line"] and "rank 1 left no dump here: it ran on another node: see its run.dir" in v["line"]
+
+
+def test_a_failure_on_this_node_names_the_other_nodes_ranks_as_elsewhere(tmp_path):
+    for r in (0, 1):
+        write(tmp_path, r, 8, [rec(0)], {"dp": list(range(8))}, reason="error" if r == 1 else "peer_lost",
+              dir_ranks=[0, 1], culprits=[1], report=["rank 1 failed at step 3 (forward): RuntimeError: boom"])
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"]) == ("error", [1]) and "ranks 2-7 left no dump here" in v["line"], v["line"]
+    write(tmp_path, 0, 8, [rec(0)], {"dp": list(range(8))}, reason="peer_lost")  # one run.dir for all (no note)
+    (tmp_path / "debug" / "rank1.json").unlink()
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["elsewhere"]) == ("crash", list(range(1, 8)), [])
+
+
+def _meet(run_dirs):
+    """Rank r as the only rank of node r, each node with its own run.dir, checkpoints off."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from meshlm.train import rank0_node
+
+    r = dist.get_rank()
+    os.environ.update(GROUP_WORLD_SIZE="2", LOCAL_RANK="0", **{rank0_node.LAUNCH_ENV: f"launch{r % 2}"})
+    cfg = SimpleNamespace(run=SimpleNamespace(dir=run_dirs[r % 2]), checkpoint=SimpleNamespace(interval=0))
+    return rank0_node.meet_rank0(cfg)
+
+
+def test_each_rank_learns_which_ranks_share_its_run_dir(tmp_path):
+    from meshlm.testing import run_ranks
+
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in dirs:
+        d.mkdir()
+    assert run_ranks(_meet, 4, dirs) == [[0, 2], [1, 3], [0, 2], [1, 3]]  # ranks 0, 2 launched on node 0
+    assert run_ranks(_meet, 2, [tmp_path, tmp_path]) == [None, None]  # one shared run.dir

@@ -125,10 +125,10 @@ def _meet_rank0(run_dirs, interval):
                       MESHLM_LAUNCH_ID=f"launch{rank}")
     cfg = SimpleNamespace(run=SimpleNamespace(dir=str(run_dirs[rank])), checkpoint=SimpleNamespace(interval=interval))
     try:
-        shared = meet_rank0(cfg)
+        here = meet_rank0(cfg)  # None: every rank sees rank 0's run.dir
     except ConfigError as e:
         return str(e)
-    return shared
+    return here
 
 
 def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_dir(tmp_path):
@@ -138,13 +138,13 @@ def test_each_node_notes_where_rank_0_ran_and_checkpoints_need_one_shared_run_di
     apart = [tmp_path / "a", tmp_path / "b"]
     for d in apart:
         d.mkdir()
-    assert run_ranks(_meet_rank0, 2, apart, 0) == [False, False]  # no checkpoints: separate run.dirs do
+    assert run_ranks(_meet_rank0, 2, apart, 0) == [[0], [1]]  # no checkpoints: separate run.dirs do, each its ranks
     assert rank0_elsewhere(apart[0], "launch0") is None  # the launcher of rank 0
     assert rank0_elsewhere(apart[1], "launch1")["node_rank"] == 7  # the other: where rank 0 ran
     assert rank0_elsewhere(apart[1], "launch1")["run_dir"] == str(apart[0].resolve())
     errors = run_ranks(_meet_rank0, 2, apart, 100)  # a checkpoint would be split across the nodes
     assert errors[0] == errors[1] and errors[0].startswith("checkpoint.interval: rank 1 ") and "\n" not in errors[0]
-    assert run_ranks(_meet_rank0, 2, [tmp_path / "a"] * 2, 100) == [True, True]  # one shared run.dir
+    assert run_ranks(_meet_rank0, 2, [tmp_path / "a"] * 2, 100) == [None, None]  # one shared run.dir
     assert [p.name for p in tmp_path.glob("*/.rank0-probe-*")] == []  # the probes are gone
     assert json.loads((tmp_path / "a" / "rank0.json").read_text())["launch"] == "launch0"
 

@@ -92,25 +92,50 @@ def analyze(run_dir: Path | str) -> dict:
         return analyze_finished(run_dir)
     world = max(d["world_size"] for d in dumps.values())
     missing = sorted(set(range(world)) - set(dumps))
+    here = _dir_ranks(dumps, world)
+    away = [r for r in missing if r not in here]  # their dumps are in another node's run.dir
+    missing = [r for r in missing if r in here]
     lost = [r for r, d in dumps.items() if d.get("reason") == "peer_lost"]
-    died = missing and len(lost) == len(dumps)  # ranks gone without a word, the rest found them gone
+    died = (missing or away) and len(lost) == len(dumps)  # ranks gone without a word here, the rest found them gone
     result = find_desync(dumps) or find_failure(dumps) or (None if died else find_hang(dumps))
     if result is None:
         if missing:
             result = {"verdict": "crash", "ranks": missing, "line": f"crash: rank{'s' if len(missing) > 1 else ''} "
                       f"{', '.join(map(str, missing))} died without a report (killed, or a native crash); "
                       f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'their' if len(lost) > 1 else 'its'} peer"}
+        elif away:
+            result = {"verdict": "elsewhere", "ranks": away, "line": f"elsewhere: rank{'s' if len(lost) > 1 else ''} "
+                      f"{', '.join(map(str, lost))} of this node lost {'their' if len(lost) > 1 else 'its'} peer "
+                      f"(the cause is on another node)"}
         else:
             result = {"verdict": "unknown", "ranks": sorted(dumps), "line": "unknown: every rank dumped, none waits "
                       "on another; see each rank's stacks in the dumps"}
+    if away:  # never "died without a report": their node's run.dir holds their dumps
+        result["line"] += (f"; rank{'s' if len(away) > 1 else ''} {_ranges(away)} left no dump here: "
+                           f"{'they' if len(away) > 1 else 'it'} ran on another node: see its run.dir "
+                           f"(meshlm debug analyze there)")
     result.setdefault("details", [])
-    result.update(missing_dumps=missing, dumps=sorted(dumps))
+    result.update(missing_dumps=missing, dumps=sorted(dumps), elsewhere=away)
     result["details"] = result["details"] + [_rank_line(d) for _, d in sorted(dumps.items())]
     if result.get("step") is None:
         result["step"] = max((d.get("step") or 0) for d in dumps.values()) + 1
     for key in ("group", "group_ranks", "seq", "op"):
         result.setdefault(key, None)
     return result
+
+
+def _dir_ranks(dumps: dict[int, dict], world: int) -> set[int]:
+    """The ranks whose dumps land in this run.dir: every rank, unless the nodes of a multi-node
+    run each have their own run.dir (each dump then lists its run.dir's ranks, train/rank0_node.py)."""
+    noted = [d.get("dir_ranks") for d in dumps.values() if d.get("dir_ranks") is not None]
+    return set().union(*map(set, noted)) if noted else set(range(world))
+
+
+def _ranges(ranks: list[int]) -> str:
+    """'1, 3' or '4-7' (a node's ranks are usually consecutive)."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _rank_line(d: dict) -> str:
@@ -148,7 +173,7 @@ def analyze_finished(run_dir: Path) -> dict:
     elif result is None:
         result = {"verdict": "ok", "ranks": [], "group": None, "seq": None, "op": None,
                   "line": f"ok: {len(files)} ranks' collectives agree (no dump: nothing timed out or failed)"}
-    result.update(step=None, details=[], dumps=[], missing_dumps=[])
+    result.update(step=None, details=[], dumps=[], missing_dumps=[], elsewhere=[])
     result.setdefault("group_ranks", None)
     return result
 

@@ -59,8 +59,10 @@ def failure_kind(error: BaseException) -> str:
 class RankGuard:
     """`with RankGuard(cfg, rank, world) as guard: ... guard.attach(trainer) ...`"""
 
-    def __init__(self, cfg, rank: int, world_size: int) -> None:
+    def __init__(self, cfg, rank: int, world_size: int, dir_ranks: list[int] | None = None) -> None:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        # The ranks whose dumps share this run.dir (None: all): nodes with a run.dir each see only theirs.
+        self.dir_ranks = dir_ranks
         self.trainer = None
         self.watchdog: Watchdog | None = None
 
@@ -76,7 +78,7 @@ class RankGuard:
         if self.world_size > 1:
             d = self.cfg.debug
             self.watchdog = Watchdog(trainer.comm, trainer.progress, self.cfg.run.dir, d.timeout_s,
-                                     d.startup_timeout_s).__enter__()
+                                     d.startup_timeout_s, dir_ranks=self.dir_ranks).__enter__()
 
     def release(self) -> None:
         if self.watchdog is not None:
@@ -93,9 +95,9 @@ class RankGuard:
         t = self.trainer
         write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
                    comm=t.comm if t else None, error=error, report=lines,
-                   culprits=getattr(error, "ranks", [self.rank]))
+                   culprits=getattr(error, "ranks", [self.rank]), dir_ranks=self.dir_ranks)
         if kind in EVERY_RANK and self.world_size > 1:
-            wait_for_peers(self.cfg.run.dir, self.world_size, PEER_GRACE_S)
+            wait_for_peers(self.cfg.run.dir, len(self.dir_ranks or range(self.world_size)), PEER_GRACE_S)
         # Under a launcher its one-line verdict says the rest (train/command.py's _failure_line); an
         # OOM's block is longer.
         if kind == "oom" or self.world_size == 1:

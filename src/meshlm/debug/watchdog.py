@@ -40,10 +40,11 @@ def backend_timeout(debug_cfg) -> timedelta:
 
 class Watchdog:
     def __init__(self, comm, progress, run_dir: Path, timeout_s: float, startup_timeout_s: float,
-                 *, exit_process: bool = True) -> None:
+                 *, exit_process: bool = True, dir_ranks: list[int] | None = None) -> None:
         self.comm, self.progress, self.run_dir = comm, progress, Path(run_dir)
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.exit_process = exit_process  # False in tests that only want the dump
+        self.dir_ranks = dir_ranks  # the ranks whose dumps share run.dir (None: all; train/rank0_node.py)
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshlm-watchdog", daemon=True)
@@ -75,7 +76,7 @@ class Watchdog:
         rank, world = self.comm.ctx.rank, self.comm.ctx.world_size
         pending = self.comm.recorder.pending()
         write_dump(self.run_dir, rank, world, "timeout", progress=self.progress, comm=self.comm,
-                   idle_s=round(idle, 3), limit_s=self.limit_s())
+                   idle_s=round(idle, 3), limit_s=self.limit_s(), dir_ranks=self.dir_ranks)
         where = (f"waiting in {pending[0]['op']} #{pending[0]['seq']} on {pending[0]['axis']}" if pending
                  else "in no collective")
         print(f"meshlm: rank {rank}: no progress for {idle:.1f} s at step {self.progress.step + 1} "
@@ -83,5 +84,5 @@ class Watchdog:
               file=sys.stderr, flush=True)
         self.fired.set()
         if self.exit_process:
-            wait_for_peers(self.run_dir, world, PEER_GRACE_S)
+            wait_for_peers(self.run_dir, len(self.dir_ranks or range(world)), PEER_GRACE_S)
             os._exit(1)

@@ -65,15 +65,16 @@ def several_nodes() -> bool:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1  # torchrun's number of nodes
 
 
-def meet_rank0(cfg) -> bool:
+def meet_rank0(cfg) -> list[int] | None:
     """Every rank, after the process group is up (collective when the job spans several nodes; a
     single-node job does nothing): note where global rank 0 runs, and refuse a run.dir that
-    checkpoints would split across nodes (ConfigError). Returns whether every rank sees global
-    rank 0's run.dir (where a checkpoint's shards all go)."""
+    checkpoints would split across nodes (ConfigError). Returns None when every rank sees global
+    rank 0's run.dir (where a checkpoint's shards all go), else the global ranks whose dumps land
+    in this rank's run.dir: the analysis there must not take the others for ranks that died."""
     import torch.distributed as dist
 
     if not several_nodes():
-        return True
+        return None
     run_dir, rank = Path(cfg.run.dir), dist.get_rank()
     rank0 = [_identity(run_dir) if rank == 0 else None]
     if rank == 0:
@@ -81,8 +82,9 @@ def meet_rank0(cfg) -> bool:
     dist.broadcast_object_list(rank0, src=0)
     info = rank0[0]
     # A new name, never looked up before: no cached "does not exist" on a network filesystem.
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (run_dir / info["probe"]).exists())
+    facts = [None] * dist.get_world_size()  # (sees rank 0's run.dir, its launcher: one per node)
+    dist.all_gather_object(facts, ((run_dir / info["probe"]).exists(), os.environ.get(LAUNCH_ENV, "")))
+    seen = [saw for saw, _ in facts]
     if rank == 0:
         (run_dir / info["probe"]).unlink(missing_ok=True)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -96,7 +98,10 @@ def meet_rank0(cfg) -> bool:
             f"rank 0 ({info['run_dir']} on node {info['node_rank']}, host {info['host']}); every rank writes its "
             f"checkpoint shard into run.dir, so with checkpoints run.dir must be one directory all nodes share, "
             f"or set checkpoint.interval=0 (docs/debugging.md, Multi-node runs)")
-    return not blind
+    if not blind:
+        return None
+    me = facts[rank]  # rank 0's run.dir is shared by the ranks that see it; any other, by one node's
+    return [r for r, (saw, launch) in enumerate(facts) if saw == me[0] and (saw or launch == me[1])]
 
 
 def _identity(run_dir: Path) -> dict:

@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
     init_process_group(backend, backend_timeout(cfg.debug))
     try:
-        shared_run_dir = meet_rank0(cfg)  # several nodes: note where global rank 0 runs, for the launchers
-        with RankGuard(cfg, dist.get_rank(), world_size) as guard:  # a failure: dump, report, exit 1
-            train_rank(cfg, guard, can_checkpoint=shared_run_dir)
+        here = meet_rank0(cfg)  # several nodes: note where global rank 0 runs; None: run.dir is everyone's
+        with RankGuard(cfg, dist.get_rank(), world_size, dir_ranks=here) as guard:  # a failure: dump, report, exit 1
+            train_rank(cfg, guard, can_checkpoint=here is None)
             # Leave together: a rank that tears gloo down while rank 0 still writes final/ can abort
             # in gloo's destructor ("terminate called without an active exception", seen once in CI).
             dist.barrier()
