@@ -226,3 +226,32 @@ def test_each_rank_learns_which_ranks_share_its_run_dir(tmp_path):
         d.mkdir()
     assert run_ranks(_meet, 4, dirs) == [[0, 2], [1, 3], [0, 2], [1, 3]]  # ranks 0, 2 launched on node 0
     assert run_ranks(_meet, 2, [tmp_path, tmp_path]) == [None, None]  # one shared run.dir
+
+
+# ---------------------------------------------------------------- 5. files the analysis did not write
+
+def test_stray_files_and_incomplete_dumps_are_skipped_with_a_note(tmp_path, capsys):
+    """A copy kept by hand (comm_rank1.old.jsonl), a dump without world_size, a record without axis:
+    each was a traceback (exit 1); now each is skipped with a note and the rest is analysed."""
+    from meshlm.cli import main as meshlm_main
+
+    (tmp_path / "logs").mkdir()
+    for name in ("comm_rank0.jsonl", "comm_rank1.jsonl", "comm_rank1.old.jsonl"):
+        (tmp_path / "logs" / name).write_text(json.dumps(rec(0)) + "\n")
+    (tmp_path / "logs" / "comm_rank0.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        rec(0), {k: v for k, v in rec(1).items() if k != "axis"})) + "\n")
+    assert meshlm_main(["debug", "analyze", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: 2 ranks' collectives agree") and "comm_rank1.old.jsonl: not a recorder file" in out
+    assert "comm_rank0.jsonl: 1 record(s) without" in out
+
+    write(tmp_path, 0, 2, [rec(0), rec(1, done=False)], {"dp": [0, 1]})
+    write(tmp_path, 1, 2, [rec(0)], {"dp": [0, 1]})
+    dump = json.loads((tmp_path / "debug" / "rank1.json").read_text())
+    (tmp_path / "debug" / "rank1.json").write_text(json.dumps({k: v for k, v in dump.items() if k != "world_size"}))
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"]) == ("hang", [1]) and any("no world_size" in n for n in v["notes"]), v
+    write(tmp_path, 1, 2, [rec(0), {k: v for k, v in rec(1, done=False).items() if k != "axis"}], {"dp": [0, 1]})
+    v = analyze(tmp_path)
+    assert v["verdict"] == "hang" and any("1 record(s) without" in n for n in v["notes"])
+    assert meshlm_main(["debug", "analyze", str(tmp_path), "--json"]) == 0

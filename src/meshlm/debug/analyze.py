@@ -18,14 +18,16 @@ Point-to-point ops pair rank A's "send to B" #k with B's "receive from A" #k.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
-from meshlm.debug.dumps import read_dumps
+from meshlm.debug.dumps import read_dumps, usable_records
 from meshlm.debug.hang import find_hang
 from meshlm.debug.streams import label, members, pending, signature, streams, where
 
 OWN_FAILURES = ("oom", "nonfinite", "desync", "error")
+LOG_NAME = re.compile(r"comm_rank(\d+)\.jsonl")
 
 
 def told_culprits(dumps: dict[int, dict]) -> list[int] | None:
@@ -71,7 +73,7 @@ def find_failure(dumps: dict[int, dict]) -> dict | None:
     own = [d for d in dumps.values() if d.get("reason") in OWN_FAILURES]
     if not own:
         return None
-    first = min(own, key=lambda d: d["time"])
+    first = min(own, key=lambda d: d.get("time") or 0)
     kind = first["reason"]
     ranks = sorted(first.get("culprits") or [first["rank"]])
     report = first.get("report") or [first.get("error", {}).get("message", "")]
@@ -87,9 +89,10 @@ def find_failure(dumps: dict[int, dict]) -> dict | None:
 def analyze(run_dir: Path | str) -> dict:
     """The verdict for a run directory: a dict with verdict, line, ranks, group, seq, op (and more)."""
     run_dir = Path(run_dir)
-    dumps = read_dumps(run_dir)
+    notes: list[str] = []  # files and records skipped as unreadable: said, not a traceback
+    dumps = read_dumps(run_dir, notes)
     if not dumps:
-        return analyze_finished(run_dir)
+        return _noted(analyze_finished(run_dir, notes), notes)
     world = max(d["world_size"] for d in dumps.values())
     missing = sorted(set(range(world)) - set(dumps))
     here = _dir_ranks(dumps, world)
@@ -121,6 +124,12 @@ def analyze(run_dir: Path | str) -> dict:
         result["step"] = max((d.get("step") or 0) for d in dumps.values()) + 1
     for key in ("group", "group_ranks", "seq", "op"):
         result.setdefault(key, None)
+    return _noted(result, notes)
+
+
+def _noted(result: dict, notes: list[str]) -> dict:
+    result["notes"] = notes
+    result["details"] = result["details"] + [f"note: {n}" for n in notes]
     return result
 
 
@@ -146,13 +155,18 @@ def _rank_line(d: dict) -> str:
             f"({d.get('phase')}), {inside}, {where(d)}")
 
 
-def analyze_finished(run_dir: Path) -> dict:
+def analyze_finished(run_dir: Path, notes: list[str] | None = None) -> dict:
     """A run without dumps: compare the recorder files every rank wrote at the end."""
-    files = sorted((run_dir / "logs").glob("comm_rank*.jsonl"))
+    ranks = {}
+    for f in sorted((run_dir / "logs").glob("comm_rank*.jsonl")):
+        if m := LOG_NAME.fullmatch(f.name):
+            ranks[int(m[1])] = f
+        elif notes is not None:  # a copy kept by hand (comm_rank1.old.jsonl): not this run's
+            notes.append(f"{f}: not a recorder file name (comm_rankN.jsonl): skipped")
+    files = list(ranks.values())
     if not files:
         return {"verdict": "none", "ranks": [], "group": None, "seq": None, "op": None, "step": None, "details": [],
                 "line": f"nothing to analyze: no dumps in {run_dir / 'debug'} and no recorder files in {run_dir / 'logs'}"}
-    ranks = {int(f.stem.removeprefix("comm_rank")): f for f in files}
     world = _world_from_config(run_dir) or max(ranks) + 1  # not the number of files: one may be missing
     dumps = {}
     for rank, f in sorted(ranks.items()):
@@ -162,6 +176,7 @@ def analyze_finished(run_dir: Path) -> dict:
                 records.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut off as the rank was killed: what came before stands
                 break
+        records = usable_records(records, f, notes)
         dumps[rank] = {"rank": rank, "records": records, "groups": _groups_from_config(run_dir, rank, records, world)}
     result = find_desync(dumps)
     missing = sorted(set(range(world)) - set(ranks))

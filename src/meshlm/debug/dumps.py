@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -59,15 +60,46 @@ def write_dump(run_dir: Path | str, rank: int, world_size: int, reason: str, *, 
     return path
 
 
-def read_dumps(run_dir: Path | str) -> dict[int, dict]:
+DUMP_NAME = re.compile(r"rank(\d+)\.json")
+RECORD_KEYS = ("seq", "op", "numel", "dtype", "t_start")  # and axis, or peer for send/recv
+
+
+def read_dumps(run_dir: Path | str, notes: list[str] | None = None) -> dict[int, dict]:
+    """rank -> its dump. Files that are not a dump of this layout (another tool's, a hand-edited
+    one, an older meshlm's) are skipped, and so are records without the keys the analysis compares,
+    each with a line in `notes`, so the analysis of the rest goes on."""
     out = {}
     for path in sorted(debug_dir(run_dir).glob("rank*.json")):
+        if not (m := DUMP_NAME.fullmatch(path.name)):
+            continue  # rank0.json's neighbours: rank_notes.json, rank1.old.json, ...
         try:
             dump = json.loads(path.read_text())
-            out[int(dump["rank"])] = dump
-        except (OSError, ValueError, KeyError, TypeError):  # half-written, or no dump (rank_notes.json)
+        except (OSError, ValueError):  # half-written (a rank stopped while writing)
             continue
+        missing = [k for k in ("rank", "world_size", "reason") if not isinstance(dump, dict) or k not in dump]
+        if missing or not isinstance(dump["world_size"], int) or dump["rank"] != int(m[1]):
+            _note(notes, f"{path}: not a meshlm dump (no {', '.join(missing) or 'matching rank or world_size'}): skipped")
+            continue
+        dump["records"] = usable_records(dump.get("records"), path, notes)
+        dump["groups"] = dump["groups"] if isinstance(dump.get("groups"), dict) else {}
+        out[dump["rank"]] = dump
     return out
+
+
+def usable_records(records, source, notes: list[str] | None) -> list[dict]:
+    """The records that have what the analysis compares; the rest noted and left out."""
+    records = records if isinstance(records, list) else []
+    good = [r for r in records if isinstance(r, dict) and all(k in r for k in RECORD_KEYS)
+            and ("peer" if r["op"] in ("send", "recv") else "axis") in r and isinstance(r["seq"], int)]
+    if len(good) < len(records):
+        _note(notes, f"{source}: {len(records) - len(good)} record(s) without seq, op, numel, dtype, "
+                     f"t_start, axis (or peer): skipped")
+    return good
+
+
+def _note(notes: list[str] | None, line: str) -> None:
+    if notes is not None:
+        notes.append(line)
 
 
 def clear_dumps(run_dir: Path | str) -> None:
