@@ -307,7 +307,8 @@ def test_oom_report_names_rank_phase_categories_and_changes_that_fit(corpus, tmp
     lines = oom_report(cfg, 1, 7, "backward", None, torch.device("cpu"))
     assert lines[0].startswith("out of memory on rank 1 in the backward of step 7")
     assert {"params", "grads", "optimizer", "activations", "peak"} <= {line.split()[0] for line in lines[1:-1]}
-    assert lines[-1].startswith("  to fit: ")
+    # this tiny model's predicted peak fits the host: the advice looks elsewhere (test_debug_verdicts.py)
+    assert lines[-1].startswith("  the predicted peak (")
     # a pipeline: each rank's report holds its own stage's prediction (the stages differ: the
     # first holds the embedding, the last the head and its logits)
     from meshlm.analysis.memory import predict

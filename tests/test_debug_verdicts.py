@@ -255,3 +255,29 @@ def test_stray_files_and_incomplete_dumps_are_skipped_with_a_note(tmp_path, caps
     v = analyze(tmp_path)
     assert v["verdict"] == "hang" and any("1 record(s) without" in n for n in v["notes"])
     assert meshlm_main(["debug", "analyze", str(tmp_path), "--json"]) == 0
+
+
+# ---------------------------------------------------------------- 6. OOM advice against each rank's share
+
+@pytest.mark.parametrize("host_over_peak,fits", [(10.0, True), (2.1, False)])
+def test_oom_advice_compares_the_prediction_with_each_local_ranks_share(corpus, tmp_path, monkeypatch,
+                                                                       host_over_peak, fits):
+    """2 local ranks on a CPU host: each gets half the RAM. With 10x the predicted peak in all (5x
+    each) the layout is not the cause, and "to fit: ..." would send the user after the wrong
+    thing; with 2.1x (1.05x each) it does not fit under 90% and the changes are listed."""
+    import torch
+
+    from meshlm.analysis.memory import predict, runtime_backend
+    from meshlm.debug import oom
+
+    cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2", "train.micro_batch_size=4")
+    peak = predict(cfg, backend=runtime_backend("cpu", 2)).ranks[0].peak_bytes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(oom, "device_capacity", lambda device: int(host_over_peak * peak))
+    lines = oom.oom_report(cfg, 1, 7, "forward", None, torch.device("cpu"))
+    assert "over 2 local ranks" in lines[0], lines[0]
+    if fits:
+        assert lines[-1].startswith("  the predicted peak (") and "a leak" in lines[-1], lines[-1]
+        assert not any(line.startswith("  to fit: ") for line in lines)
+    else:
+        assert lines[-1].startswith("  to fit: ") and "predicted peak" in lines[-1], lines[-1]

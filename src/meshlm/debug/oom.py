@@ -15,6 +15,7 @@ import torch
 from meshlm.train.metrics import format_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "master", "activations", "other")
+FITS = 0.9  # a predicted peak under this share of the rank's memory leaves room for the allocator's slack
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -30,6 +31,20 @@ def device_capacity(device: torch.device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return None
+
+
+def local_ranks(cfg) -> int:
+    """How many ranks share this host's memory: torchrun's LOCAL_WORLD_SIZE, else every rank
+    (forked ranks of one process, as the tests run them)."""
+    p = cfg.parallel
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", p.dp * p.tp * p.cp * p.pp)))
+
+
+def rank_capacity(device: torch.device, ranks_here: int) -> int | None:
+    """The memory one rank can count on: its GPU, or on the CPU its share of the host's RAM (the
+    local ranks all allocate from it; the prediction is per rank)."""
+    capacity = device_capacity(device)
+    return capacity // ranks_here if capacity is not None and device.type != "cuda" else capacity
 
 
 def measured_by_category(engine, device: torch.device) -> dict[str, int]:
@@ -82,10 +97,14 @@ def oom_report(cfg, rank: int, step: int, phase: str, engine, device: torch.devi
 
     p = cfg.parallel
     backend = runtime_backend(device.type, p.dp * p.tp * p.cp * p.pp)
-    capacity = device_capacity(device)
+    here = local_ranks(cfg)
+    capacity = rank_capacity(device, here)
     measured = measured_by_category(engine, device)
+    share = f" per rank: {format_bytes(device_capacity(device))} over {here} local ranks" if (
+        capacity and device.type != "cuda" and here > 1) else ""
     lines = [f"out of memory on rank {rank} in the {phase} of step {step}"
-             + (f" ({device}, {format_bytes(capacity)})" if capacity else "")]
+             + (f" ({device}, {format_bytes(capacity)}{share})" if capacity else "")]
+    mine = None
     try:
         from meshlm.analysis.memory import predict
 
@@ -110,7 +129,13 @@ def oom_report(cfg, rank: int, step: int, phase: str, engine, device: torch.devi
         if peak is not None:
             fits.append((peak, change))
     fits.sort()
-    if fits:
+    if mine is not None and capacity is not None and mine.peak_bytes < FITS * capacity:
+        # The layout is not what ran out: more of it would only hide the cause.
+        lines.append(f"  the predicted peak ({format_bytes(mine.peak_bytes)}) fits this rank's "
+                     f"{format_bytes(capacity)}: look elsewhere: other processes holding memory, allocator "
+                     f"fragmentation, a leak (memory growing step after step), or a transient (an unusually "
+                     f"large batch or allocation)")
+    elif fits:
         fitting = [f"{change} (predicted peak {format_bytes(peak)})" for peak, change in fits
                    if capacity is None or peak < 0.9 * capacity]
         lines.append("  to fit: " + ("; or ".join(fitting[:3]) if fitting else
