@@ -281,3 +281,31 @@ def test_oom_advice_compares_the_prediction_with_each_local_ranks_share(corpus, 
         assert not any(line.startswith("  to fit: ") for line in lines)
     else:
         assert lines[-1].startswith("  to fit: ") and "predicted peak" in lines[-1], lines[-1]
+
+
+# ---------------------------------------------------------------- 7. wording
+
+def test_a_p2p_hang_names_the_half_the_peer_never_posted(tmp_path):
+    """Rank 0 waits in its send #7 to rank 1, which never posted the receive: not "rank 1 never
+    entered collective #7 (send on p2p 0->1)"."""
+    write(tmp_path, 0, 2, [rec(6, op="send", axis="pp", peer=1), rec(7, op="send", axis="pp", peer=1, done=False)], {})
+    write(tmp_path, 1, 2, [rec(6, op="recv", axis="pp", peer=0)], {})
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"]) == ("hang", [1], 7)
+    assert v["line"].startswith("hang: rank 1 never posted the receive from rank 0 #7 (p2p 0->1; rank 0 waits in "
+                                "its send)"), v["line"]
+
+
+def test_the_watchdogs_line_is_one_write_so_ranks_lines_do_not_interleave(tmp_path, monkeypatch):
+    import sys
+
+    from meshlm.comm import Comm
+    from meshlm.debug.progress import Progress
+    from meshlm.debug.watchdog import Watchdog
+    from meshlm.mesh import Layout, ParallelContext
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Err", (), {"write": lambda self, s: writes.append(s),
+                                                        "flush": lambda self: None})())
+    Watchdog(Comm(ParallelContext(Layout())), Progress(), tmp_path, 1, 1, exit_process=False)._fire(2.0)
+    assert len(writes) == 1 and writes[0].startswith("meshlm: rank 0: no progress") and writes[0].endswith("\n")

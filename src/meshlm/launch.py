@@ -94,8 +94,10 @@ def launch(nproc: int, module: str, module_args: list[str], explain=None, **kwar
         if not forward_to_ranks(signum):
             raise SignalException("SIGTERM before the ranks started", signal.Signals(signum))
 
-    # The agent logs each failed rank at ERROR; meshlm prints one line that says why instead.
+    # The agent logs each failed rank at ERROR, and warns "Terminating process N via signal SIGTERM"
+    # for each rank it stops after one failed; meshlm prints one line that says why instead.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_ctrl_c)}
     if forked:
         previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)

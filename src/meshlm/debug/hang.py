@@ -90,11 +90,22 @@ def find_hang(dumps: dict[int, dict]) -> dict | None:
     culprits, root = roots, roots[0]
     waited = max((dumps[w].get("idle_s") or 0) for w in waiters) if waiters else 0
     chain = "" if roots == absent else f" (which wait on rank{'s' if len(roots) > 1 else ''} {', '.join(map(str, roots))})"
-    line = (f"hang: rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never entered collective #{seq} "
-            f"({op} on {label(key)}) at step {step}{chain}; rank{'s' if len(waiters) > 1 else ''} "
+    line = (f"hang: {_never(key, seq, op, absent)} at step {step}{chain}; rank{'s' if len(waiters) > 1 else ''} "
             f"{', '.join(map(str, waiters))} waited in it {waited:.1f} s; rank {root} was {where(dumps.get(root))}")
     return {"verdict": "hang", "ranks": culprits, "group": key[1] if key[0] == "group" else "p2p",
             "group_ranks": list(members(key)), "seq": seq, "op": op, "step": step, "line": line}
+
+
+def _never(key: tuple, seq: int, op: str, absent: list[int]) -> str:
+    """What the absent ranks never did, by their own op: a point-to-point peer never posted its
+    half (a receive where the waiter sends), not "entered the send"."""
+    if key[0] == "p2p" and len(absent) == 1:
+        sender, receiver = key[1], key[2]
+        mine = f"receive from rank {sender}" if absent[0] == receiver else f"send to rank {receiver}"
+        return f"rank {absent[0]} never posted the {mine} #{seq} (p2p {sender}->{receiver}; rank " \
+               f"{sender if absent[0] == receiver else receiver} waits in its {op})"
+    return (f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never entered collective #{seq} "
+            f"({op} on {label(key)})")
 
 
 def _deadlock(graph: dict[int, dict[int, tuple]], cycle: list[int], step: int) -> dict:

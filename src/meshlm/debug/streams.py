@@ -53,7 +53,7 @@ def pending(dump: dict) -> list[dict]:
 
 
 def where(dump: dict | None) -> str:
-    """Where the rank's main thread was, e.g. 'in before_step (faults.py:52)': the innermost
+    """Where the rank's main thread was, e.g. 'in before_step (faults.py:NN)': the innermost
     meshlm frame of the exception's traceback, or of the main thread's stack for a timeout."""
     if not dump:
         return "left no dump"

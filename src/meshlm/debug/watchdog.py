@@ -79,9 +79,11 @@ class Watchdog:
                    idle_s=round(idle, 3), limit_s=self.limit_s(), dir_ranks=self.dir_ranks)
         where = (f"waiting in {pending[0]['op']} #{pending[0]['seq']} on {pending[0]['axis']}" if pending
                  else "in no collective")
-        print(f"meshlm: rank {rank}: no progress for {idle:.1f} s at step {self.progress.step + 1} "
-              f"({self.progress.phase}, {where}); dumped to {debug_dir(self.run_dir) / f'rank{rank}.json'}",
-              file=sys.stderr, flush=True)
+        # One write with its newline: print() writes the text and the end apart, and the ranks'
+        # lines, written at the same moment, interleaved ("...rank2.jsonmeshlm: rank 3: ...").
+        sys.stderr.write(f"meshlm: rank {rank}: no progress for {idle:.1f} s at step {self.progress.step + 1} "
+                         f"({self.progress.phase}, {where}); dumped to {debug_dir(self.run_dir) / f'rank{rank}.json'}\n")
+        sys.stderr.flush()
         self.fired.set()
         if self.exit_process:
             wait_for_peers(self.run_dir, len(self.dir_ranks or range(world)), PEER_GRACE_S)
