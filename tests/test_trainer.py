@@ -149,3 +149,39 @@ def test_a_step_without_target_tokens_changes_nothing_and_the_run_goes_on(corpus
         assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])
         assert any(not torch.equal(params[1][n], params[2][n]) for n in params[1])
         assert adam_steps in ({2}, set())  # set(): a pipeline stage's optimizer may hold no parameter
+
+
+def _graph_left_after_steps(world, extra, corpus, run_dir):
+    """Tensors still carrying an autograd graph once two training steps have ended, and the live
+    bytes after each step (the tracker's)."""
+    import gc
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, world, "train.track_memory=true", *extra))
+    live = []
+    for _ in range(2):
+        trainer.train_step()
+        live.append(trainer.memory._cpu_tracker.live)
+    gc.collect()
+    left = [tuple(t.shape) for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.grad_fn is not None]
+    return left, live
+
+
+@pytest.mark.parametrize("world,extra", [
+    # full recompute stops the rebuild early (torch.utils.checkpoint raises inside the block's
+    # forward): SP's region kept its input, and through it the whole rebuilt block, to the next step
+    (2, ("parallel.tp=2", "parallel.sp=true", "train.recompute=full")),
+    (2, ("parallel.tp=2", "parallel.sp=true", "train.recompute=selective")),
+    (2, ("parallel.pp=2", "train.recompute=full")),
+    (2, ("parallel.zero=3", "train.recompute=full")),
+    (1, ("train.recompute=full",)),
+], ids=["tp-sp-full", "tp-sp-selective", "pp-full", "zero3-full", "one-full"])
+def test_a_training_step_leaves_no_autograd_graph_alive(corpus, tmp_path, world, extra):
+    """Whatever a step builds for backward is gone when it ends: nothing of it lives into the next
+    step's forward, where it would add to that step's peak."""
+    if world == 1:
+        results = [_graph_left_after_steps(1, extra, corpus, tmp_path)]
+    else:
+        results = run_ranks(_graph_left_after_steps, world, world, extra, corpus, tmp_path)
+    for left, live in results:
+        assert not left, left
+        assert live[0] == live[1]

@@ -221,7 +221,11 @@ class ParallelRegion:
 
     def install(self, module: nn.Module) -> None:
         module.register_forward_pre_hook(lambda _m, args: (self.enter(args[0]), *args[1:]))
-        module.register_forward_hook(lambda _m, _args, _out: self.leave())
+        # always_call: full recompute's rebuild stops the block's forward once it has what the
+        # backward needs (torch.utils.checkpoint's early stop raises inside it); without the hook
+        # the region's input, and through its autograd graph the whole rebuilt block, stayed
+        # alive to the next forward
+        module.register_forward_hook(lambda _m, _args, _out: self.leave(), always_call=True)
 
 
 def mark_tp_sharded(param: nn.Parameter, dim: int, full_size: int, replicas: int = 1) -> nn.Parameter:
