@@ -159,13 +159,26 @@ def set_aside_old_checkpoints(cfg: Config, keep_if_newest: Path | None) -> Path 
     explicit older or foreign checkpoint) moves the directory's checkpoints to
     `checkpoints.old-<time>` (never deleted): its own are then never mixed with, rotated against,
     or later resumed in place of, another timeline's. Rank 0 only, after loading."""
-    import time
-
     root = checkpoint_root(cfg)
     found = list_checkpoints(root)
     if not found or (keep_if_newest is not None and keep_if_newest.resolve() == found[-1].resolve()):
         return None
-    aside = root.with_name(f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside = _aside_path(root)
     os.replace(root, aside)
+    return aside
+
+
+def _aside_path(root: Path) -> Path:
+    """`checkpoints.old-<time>`, or `...-2`, `-3` if taken: two set-asides within one second (two
+    fresh starts in a row) would otherwise rename onto the first's, and a rename onto a non-empty
+    directory fails. The run directory's lock (run_lock.py) keeps other trains out between the
+    check and the rename."""
+    import time
+
+    stamp = root.with_name(f"{root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside, n = stamp, 1
+    while aside.exists():
+        n += 1
+        aside = stamp.with_name(f"{stamp.name}-{n}")
     return aside
 
