@@ -135,12 +135,16 @@ def _resume_older_slowly(corpus, run_dir, older):
     return trainer.step
 
 
-def test_the_older_checkpoint_a_run_resumes_is_moved_aside_only_once_every_rank_has_read_it(corpus, tmp_path):
+def test_an_older_checkpoint_a_run_resumes_stays_and_only_newer_ones_move_aside(corpus, tmp_path):
+    """Every rank reads the older checkpoint (rank 1 late) before rank 0 moves the newer one aside;
+    the older one stays where a torchrun restart looks for it (tests/test_checkpoint_resume.py)."""
     for start, stop in ((None, SAVE_AT), (tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}", SAVE_AT + 1)):
         run_ranks(train_segment, 2, corpus, tmp_path, 2, [*UNTIED, "parallel.zero=0"], start, stop, True, timeout=240)
     older = tmp_path / "checkpoints" / f"step_{SAVE_AT:07d}"
     assert run_ranks(_resume_older_slowly, 2, corpus, tmp_path, older, timeout=240) == [SAVE_AT, SAVE_AT]
-    assert not (tmp_path / "checkpoints").exists() and list(tmp_path.glob("checkpoints.old-*"))
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [older.name]
+    assert [p.name for p in aside.iterdir()] == [f"step_{SAVE_AT + 1:07d}"]
 
 
 @pytest.mark.parametrize("layout", ["dp2-zero1", "dp2-zero3", "tp2-sp", "pp2-interleaved", "dp2-zero1-bf16",

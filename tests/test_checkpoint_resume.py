@@ -31,3 +31,72 @@ def test_two_set_asides_within_one_second_get_a_directory_each(tmp_path, monkeyp
         asides.append(set_aside_old_checkpoints(cfg, None))
     assert asides[0] != asides[1] and all(a.name.startswith("checkpoints.old-20250101-000000") for a in asides)
     assert [sorted(p.name for p in a.iterdir()) for a in asides] == [["step_0000002"], ["step_0000004"]]
+
+
+def _four_steps(corpus, run_dir):
+    """A run's checkpoints at steps 2 and 4 (one rank, in this process)."""
+    from meshlm.train.checkpoint import save_checkpoint
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, 1, steps=4))
+    while trainer.step < 4:
+        trainer.train_step()
+        if trainer.step % 2 == 0:
+            save_checkpoint(trainer, run_dir / "checkpoints", keep=3)
+    return run_dir / "checkpoints"
+
+
+def _start(corpus, run_dir, *extra, restart=False, monkeypatch):
+    """A rank's start (worker.start_state) of a 6-step run, as torchrun's first attempt or its
+    restart; the rank then dies before this run's first save. Returns the step it starts at."""
+    from meshlm.train.worker import start_state
+
+    with monkeypatch.context() as m:
+        m.setenv("TORCHELASTIC_RESTART_COUNT", "1" if restart else "0")
+        trainer = build_trainer(small_cfg(corpus, run_dir, 1, *extra, steps=6))
+        start_state(trainer)
+        return trainer.step
+
+
+def _names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_a_restart_after_falling_back_past_a_bad_newest_checkpoint_resumes_the_one_loaded(
+        corpus, tmp_path, monkeypatch):
+    """auto skips a corrupt step 4 for step 2. The set-aside moved all of checkpoints/, step 2
+    with it: a rank dying before the first save made the restart train silently from step 0."""
+    root = _four_steps(corpus, tmp_path)
+    rank_file = root / "step_0000004" / "rank00000.safetensors"
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    assert _start(corpus, tmp_path, monkeypatch=monkeypatch) == 2
+    assert _names(root) == ["step_0000002"]
+    (aside,) = tmp_path.glob("checkpoints.old-*")
+    assert _names(aside) == ["step_0000004"]  # the bad one: kept, apart
+    assert _start(corpus, tmp_path, restart=True, monkeypatch=monkeypatch) == 2
+    assert _names(root) == ["step_0000002"] and len(list(tmp_path.glob("checkpoints.old-*"))) == 1
+
+
+def test_a_restart_after_resuming_an_older_own_checkpoint_resumes_it_again(corpus, tmp_path, monkeypatch):
+    """checkpoint.resume=<this run's step 2>, a step 4 beside it: the set-aside took step 2 too,
+    and the restart failed with 'checkpoint.resume: .../step_0000002: not a directory'."""
+    root = _four_steps(corpus, tmp_path)
+    given = f"checkpoint.resume={root / 'step_0000002'}"
+    assert _start(corpus, tmp_path, given, monkeypatch=monkeypatch) == 2
+    assert _names(root) == ["step_0000002"]
+    assert _start(corpus, tmp_path, given, restart=True, monkeypatch=monkeypatch) == 2
+
+
+def test_a_restart_after_resuming_another_directorys_checkpoint_finds_it_where_it_was(
+        corpus, tmp_path, monkeypatch):
+    """A checkpoint of another run: this run directory's own (another timeline) all move aside,
+    the restart resumes the named one again, from where it is."""
+    theirs = _four_steps(corpus, tmp_path / "theirs")
+    ours = _four_steps(corpus, tmp_path / "ours")
+    given = f"checkpoint.resume={theirs / 'step_0000002'}"
+    assert _start(corpus, tmp_path / "ours", given, monkeypatch=monkeypatch) == 2
+    assert not ours.exists()
+    (aside,) = (tmp_path / "ours").glob("checkpoints.old-*")
+    assert _names(aside) == ["step_0000002", "step_0000004"]
+    assert _start(corpus, tmp_path / "ours", given, restart=True, monkeypatch=monkeypatch) == 2
+    assert _names(theirs) == ["step_0000002", "step_0000004"]

@@ -33,6 +33,7 @@ def start_state(trainer: Trainer) -> None:
     (model.init_from), or the seed's initialisation. Collective."""
     from meshlm.train.checkpoint import load_checkpoint
     from meshlm.train.checkpoint.resume import choose, set_aside_old_checkpoints
+    from meshlm.train.checkpoint.store import list_checkpoints
 
     cfg = trainer.cfg
     path = choose(cfg, trainer.comm, trainer.ctx, warn=lambda m: trainer.metrics.print(f"warning: {m}"))
@@ -42,12 +43,13 @@ def start_state(trainer: Trainer) -> None:
         trainer.progress.resumed_at(trainer.step)  # reports name the step the run is at
         trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
                               f"{_layout_text(meta['layout'])})")
-    # This run continues its directory's newest checkpoint, or its checkpoints are not ours to mix
-    # with. Once every rank has read its checkpoint: it may be one of those moved aside.
+    # Checkpoints of a timeline this run does not continue are not ours to mix with. Once every
+    # rank has chosen and read: the set-aside changes what checkpoints/ lists.
     trainer.comm.barrier()
-    if trainer.ctx.rank == 0 and (aside := set_aside_old_checkpoints(cfg, keep_if_newest=path)) is not None:
-        trainer.metrics.print(f"moved the run directory's earlier checkpoints to {aside} (this run does not "
-                              f"continue from the newest of them)")
+    if trainer.ctx.rank == 0 and (aside := set_aside_old_checkpoints(cfg, loaded=path)) is not None:
+        moved = ", ".join(p.name for p in list_checkpoints(aside))
+        trainer.metrics.print(f"moved checkpoints {moved} to {aside}: this run continues from "
+                              f"{path if path is not None else 'step 0'}, not from them")
     if path is None and cfg.model.init_from:
         from meshlm.train.checkpoint.hf_import import init_from
 

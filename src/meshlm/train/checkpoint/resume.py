@@ -154,15 +154,34 @@ def choose(cfg: Config, comm, ctx, warn) -> Path | None:
     return candidates[0]
 
 
-def set_aside_old_checkpoints(cfg: Config, keep_if_newest: Path | None) -> Path | None:
-    """A run that does not continue from its directory's newest checkpoint (resume=never, or an
-    explicit older or foreign checkpoint) moves the directory's checkpoints to
-    `checkpoints.old-<time>` (never deleted): its own are then never mixed with, rotated against,
-    or later resumed in place of, another timeline's. Rank 0 only, after loading."""
+def set_aside_old_checkpoints(cfg: Config, loaded: Path | None) -> Path | None:
+    """A run that does not continue from its directory's newest checkpoint starts another timeline:
+    the checkpoints of the one it leaves move to `checkpoints.old-<time>` (never deleted), so they are
+    never mixed with, rotated against, or later resumed in place of this run's. Returns that
+    directory, or None if nothing moved. Rank 0 only, after every rank has loaded.
+
+    - `loaded` is one of checkpoints/ (auto fell back past a bad newest one, or checkpoint.resume
+      named an older one of this run): only the newer ones move. It and the older ones are this
+      timeline's past, and a torchrun restart before this run's first save must find it where
+      `choose` looks (moving it too made that restart start from step 0, or fail).
+    - resume=never, or `loaded` from elsewhere: all of checkpoints/ moves; a restart before the
+      first save finds `loaded` again where checkpoint.resume names it (`choose`)."""
     root = checkpoint_root(cfg)
     found = list_checkpoints(root)
-    if not found or (keep_if_newest is not None and keep_if_newest.resolve() == found[-1].resolve()):
+    if not found:
         return None
+    here = [p.resolve() for p in found]
+    if loaded is not None and loaded.resolve() in here:
+        newer = found[here.index(loaded.resolve()) + 1:]
+        if not newer:
+            return None
+        aside = _aside_path(root)
+        aside.mkdir()
+        # One rename each (no single rename moves part of a directory), newest first: the one
+        # auto would otherwise resume in place of this run's goes first.
+        for path in reversed(newer):
+            os.replace(path, aside / path.name)
+        return aside
     aside = _aside_path(root)
     os.replace(root, aside)
     return aside
