@@ -100,3 +100,41 @@ def test_a_restart_after_resuming_another_directorys_checkpoint_finds_it_where_i
     assert _names(aside) == ["step_0000002", "step_0000004"]
     assert _start(corpus, tmp_path / "ours", given, restart=True, monkeypatch=monkeypatch) == 2
     assert _names(theirs) == ["step_0000002", "step_0000004"]
+
+
+def _signalled_at_step_1(monkeypatch):
+    """A SIGTERM to this process during step 1's forward-backward (as a scheduler sends one)."""
+    import os
+    import signal
+
+    from meshlm.train.trainer import Trainer
+
+    real, sent = Trainer.forward_backward, []
+
+    def forward_backward(self, *args, **kwargs):
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+
+
+def test_a_stopped_run_says_how_to_continue_it(corpus, tmp_path, monkeypatch):
+    """'run the same command again to continue' held for resume=auto only: the same command with
+    resume=never starts over (and sets the saved checkpoint aside), with a path resumes that path."""
+    from helpers import read_metrics, run_meshlm, small_train_args
+
+    args = ["train", *small_train_args(corpus, tmp_path, steps=4), "run.sample_tokens=0", "checkpoint.interval=0"]
+    with monkeypatch.context() as m:
+        _signalled_at_step_1(m)
+        stopped = run_meshlm(*args, "checkpoint.resume=never", in_process=True)
+    assert ("stopped by SIGTERM after step 1; checkpoint " in stopped.stdout
+            and "; to continue, run the same command with checkpoint.resume=auto (in place of "
+                "checkpoint.resume=never)" in stopped.stdout), stopped.stdout
+    continued = run_meshlm(*args, "checkpoint.resume=never", "checkpoint.resume=auto", in_process=True)
+    assert "resuming from" in continued.stdout and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    with monkeypatch.context() as m:
+        _signalled_at_step_1(m)
+        again = run_meshlm(*args, "train.steps=6", in_process=True)  # auto: the message as it was
+    assert "stopped by SIGTERM after step 2; checkpoint " in again.stdout  # resumed step 1 (interval 0)
+    assert "; run the same command again to continue" in again.stdout

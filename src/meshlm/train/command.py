@@ -109,7 +109,7 @@ def _train_locked(args, cfg, run_dir: Path, world_size: int) -> int:
                   f"nodes do not share run.dir), so the run cannot be continued")
         else:
             print(f"meshlm: stopped by {preempted['signal']} after step {preempted['step']}; checkpoint "
-                  f"{preempted['checkpoint']}; run the same command again to continue")
+                  f"{preempted['checkpoint']}; {_how_to_continue(cfg.checkpoint.resume)}")
         return 0
     if elsewhere is not None:  # rank 0's metrics, final/ and so the sample are on another node
         from meshlm.train.rank0_node import elsewhere_line
@@ -120,6 +120,14 @@ def _train_locked(args, cfg, run_dir: Path, world_size: int) -> int:
     if cfg.run.sample_tokens:
         _print_sample(run_dir, cfg.run.sample_prompt, cfg.run.sample_tokens)
     return 0
+
+
+def _how_to_continue(resume: str) -> str:
+    """Only `auto` continues from the checkpoint just saved: the same command with `never` would
+    start over (setting this run's checkpoints aside), with a path resume that path again."""
+    if resume == "auto":
+        return "run the same command again to continue"
+    return f"to continue, run the same command with checkpoint.resume=auto (in place of checkpoint.resume={resume})"
 
 
 def _failure_line(run_dir: Path) -> str | None:
