@@ -1,6 +1,6 @@
 """The trainer against a plain PyTorch loop (accumulation, data parallelism, the global token
 normalisation, with uneven target counts), and against itself for activation checkpointing,
-bf16 and evaluation."""
+bf16 and evaluation; the save after a stop signal."""
 
 import pytest
 import torch
@@ -185,3 +185,35 @@ def test_a_training_step_leaves_no_autograd_graph_alive(corpus, tmp_path, world,
     for left, live in results:
         assert not left, left
         assert live[0] == live[1]
+
+
+def test_a_save_after_a_stop_signal_is_not_cut_short_by_the_stop_deadline(corpus, tmp_path, monkeypatch):
+    """checkpoint.stop_timeout_s bounds the wait for a step boundary after SIGTERM. Its timer ran
+    on through the save after the boundary: a save longer than it was killed half-written, saying
+    'no step boundary within N s'. Here the save takes twice the deadline (the exit is recorded,
+    not made)."""
+    import os
+    import signal
+    import time
+
+    from meshlm.train.preemption import StopSignals
+    from meshlm.train.trainer import Trainer
+
+    gave_up = []
+    monkeypatch.setattr(StopSignals, "_give_up", lambda self: gave_up.append(time.monotonic()))
+    real_fb, real_save = Trainer.forward_backward, Trainer.save_checkpoint
+
+    def forward_backward(self, *args, **kwargs):  # SIGTERM late in step 1: its boundary comes at once
+        result = real_fb(self, *args, **kwargs)
+        if self.step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+    monkeypatch.setattr(Trainer, "save_checkpoint", lambda self, **kw: time.sleep(3.0) or real_save(self, **kw))
+    trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.stop_timeout_s=1.5"))
+    with StopSignals(trainer.cfg.checkpoint.stop_timeout_s) as signals:
+        trainer.stop_signals = signals
+        rows = trainer.fit()
+    assert [r["step"] for r in rows] == [1] and trainer.stopped_by == "SIGTERM"
+    assert gave_up == [] and trainer.last_checkpoint.path.name == "step_0000001"

@@ -7,8 +7,11 @@ moments; a rank that stopped alone would leave the others waiting in a collectiv
 
 - The first SIGTERM or SIGINT sets a flag; the trainer's step (`Trainer._max_over_ranks`) reduces
   its number with the other ranks' and, if any rank was signalled, every rank saves a checkpoint
-  after that step and returns. A watchdog thread exits the process if that has not happened within
-  `checkpoint.stop_timeout_s` (a rank stuck in a collective with a dead peer cannot save).
+  after that step and returns. A watchdog thread exits the process if no step boundary came within
+  `checkpoint.stop_timeout_s` (a rank stuck in a collective with a dead peer cannot save). It is
+  stopped at the boundary (`reached_boundary`), before the save: a save longer than the deadline
+  was killed half-written, "no step boundary" then false. A save that hangs on a dead peer is the
+  collective watchdog's (debug.timeout_s); under torchrun, the agent's own deadline still holds.
 - A second SIGINT (Ctrl-C twice) exits at once. Repeated SIGTERMs count as one: schedulers
   resend them, and torchrun forwards its own.
 - Under torchrun, the launcher's elastic agent catches the signal and forwards it to the workers
@@ -50,6 +53,7 @@ class StopSignals:
         self.received: signal.Signals | None = None
         self._previous = {}
         self._timer: threading.Timer | None = None
+        self._at_boundary = False  # the trainer stops here: no deadline from now on
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -77,9 +81,18 @@ class StopSignals:
         if sig == signal.SIGINT and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print("meshlm: Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again to exit now)",
                   file=sys.stderr, flush=True)
+        if self._at_boundary:  # a signal during the stop save (another rank's stopped this one): no deadline
+            return
         self._timer = threading.Timer(self.timeout_s, self._give_up)
         self._timer.daemon = True
         self._timer.start()
+
+    def reached_boundary(self) -> None:
+        """The trainer stops after this step (every rank agreed): the deadline was for getting here,
+        not for the save that follows."""
+        self._at_boundary = True
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _give_up(self) -> None:
         print(f"meshlm: no step boundary within {self.timeout_s:.0f} s of {self.received.name}: exiting without "

@@ -315,6 +315,8 @@ class Trainer:
                 row["checkpoint_write_s"] = done.seconds  # this rank's background save has finished
                 done.reported = True
             stop = result.stop
+            if stop and self.stop_signals is not None:
+                self.stop_signals.reached_boundary()  # the stop deadline ends here, before the save
             if self._checkpoint_due() or (stop and self.can_checkpoint):  # the last in the foreground: the run ends with it
                 last = stop is not None or self.step == cfg.steps
                 row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
