@@ -138,3 +138,64 @@ def test_a_stopped_run_says_how_to_continue_it(corpus, tmp_path, monkeypatch):
         again = run_meshlm(*args, "train.steps=6", in_process=True)  # auto: the message as it was
     assert "stopped by SIGTERM after step 2; checkpoint " in again.stdout  # resumed step 1 (interval 0)
     assert "; run the same command again to continue" in again.stdout
+
+
+def _metrics_writer(run_dir):
+    import io
+
+    from meshlm.train.metrics import MetricsWriter
+
+    return MetricsWriter(run_dir, total_steps=8, log_interval=1, active=True, stream=io.StringIO())
+
+
+def _log(writer, steps, loss=1.0):
+    for step in steps:
+        writer.log_step({"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                         "step_time_s": 1.0, "tflops": 1.0})
+
+
+def test_starts_interrupted_before_they_resumed_lose_no_metrics_row(tmp_path):
+    """Each start moved metrics.jsonl onto metrics.jsonl.old until it knew whether it resumed: a
+    start killed before then left the history there, and the next start moved its own empty file
+    over it. Every step must stay in metrics.jsonl once."""
+    from helpers import read_metrics
+
+    first = _metrics_writer(tmp_path)
+    _log(first, range(1, 5))
+    first.close()
+    _metrics_writer(tmp_path), _metrics_writer(tmp_path)  # two starts killed before resume_at (not closed)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]  # meanwhile, the history is in place
+    resumed = _metrics_writer(tmp_path)
+    resumed.resume_at(4)
+    _log(resumed, range(5, 9))
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
+    fresh = _metrics_writer(tmp_path)  # a fresh start: its first row replaces another timeline's
+    _log(fresh, [1], loss=2.0)
+    fresh.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0)]
+
+
+def test_a_metrics_history_an_older_meshlm_left_in_metrics_jsonl_old_is_taken_back(tmp_path):
+    """An interrupted start of the old code left the history in metrics.jsonl.old beside an empty
+    metrics.jsonl (or one a later fresh start wrote): a resume merges them step by step, the
+    later metrics.jsonl winning, and removes the .old."""
+    from helpers import read_metrics
+
+    def lines(*rows):
+        return "".join(json.dumps({"step": step, "loss": loss}) + "\n" for step, loss in rows)
+
+    (tmp_path / "metrics.jsonl.old").write_text(lines((1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0)))
+    (tmp_path / "metrics.jsonl").write_text("")
+    resumed = _metrics_writer(tmp_path)
+    resumed.resume_at(4)
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0)]
+    (tmp_path / "metrics.jsonl.old").write_text(lines((1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0)))
+    (tmp_path / "metrics.jsonl").write_text(lines((1, 2.0), (2, 2.0), (3, 2.0)))  # a fresh start's, saved at 2
+    resumed = _metrics_writer(tmp_path)
+    resumed.resume_at(2)
+    _log(resumed, [3], loss=3.0)
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 2.0), (3, 3.0)]
+    assert not (tmp_path / "metrics.jsonl.old").exists()

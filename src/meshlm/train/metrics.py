@@ -65,10 +65,11 @@ class MetricsWriter:
         self._tb = None
         if not active:
             return
+        # metrics.jsonl stays as it is until this run knows whether it resumes: resume_at keeps its
+        # rows up to the checkpoint, or the first row of a fresh run replaces them. Moving it aside
+        # here lost the history: a start killed before resume_at left it in metrics.jsonl.old, and
+        # the next start moved its own empty file over that.
         self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():  # kept aside until we know whether this run resumes (resume_at)
-            os.replace(self.path, self.path.with_suffix(".jsonl.old"))
-        self._jsonl = open(self.path, "w", buffering=1)
         if self.stream.isatty():
             from tqdm import tqdm
 
@@ -85,19 +86,30 @@ class MetricsWriter:
         (logged before a crash, after the checkpoint) dropped, new rows appended: every step once."""
         if not self.active:
             return
-        self._jsonl.close()
-        old = self.path.with_suffix(".jsonl.old")
-        kept = []
-        if old.exists():
-            kept = [line for line in old.read_text().splitlines() if line.strip()
-                    and json.loads(line).get("step", 0) <= step]
-        self._jsonl = open(self.path, "w", buffering=1)
-        self._jsonl.writelines(line + "\n" for line in kept)
-        old.unlink(missing_ok=True)
+        if self._jsonl is not None:
+            self._jsonl.close()
+        rows = {}  # step -> line; metrics.jsonl.old first: left by an interrupted start of an older meshlm
+        for path in (self._old, self.path):
+            if path.exists():
+                for line in path.read_text().splitlines():
+                    if line.strip() and (row_step := json.loads(line).get("step", 0)) <= step:
+                        rows[row_step] = line  # a step logged twice: the later timeline's row
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(rows[k] + "\n" for k in sorted(rows)))
+        os.replace(tmp, self.path)  # a kill leaves the old file or the new one, never neither
+        self._old.unlink(missing_ok=True)
+        self._jsonl = open(self.path, "a", buffering=1)
+
+    @property
+    def _old(self) -> Path:
+        return self.path.with_suffix(".jsonl.old")
 
     def log_step(self, row: dict[str, Any]) -> None:
         if not self.active:
             return
+        if self._jsonl is None:  # a fresh run's first row: earlier rows are another timeline's
+            self._jsonl = open(self.path, "w", buffering=1)
+            self._old.unlink(missing_ok=True)
         self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
         if self._tb is not None:
             for key, value in row.items():
@@ -126,8 +138,6 @@ class MetricsWriter:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.active:
-            self.path.with_suffix(".jsonl.old").unlink(missing_ok=True)
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
