@@ -449,4 +449,10 @@ def test_axis_groups_are_priced_at_their_slowest_and_tp_never_crosses_a_node():
     assert across > inside
     assert work.comm_time("all_gather", 2**26, 2, 2) == across
     # stages 4 ranks apart: pair (0, 4) inside node 0, pair (4, 8) across
-    assert work.comm_time("p2p", 2**20, 2, 4) == topo.time("p2p", 2**20, [4, 8]) > topo.time("p2p", 2**20, [0, 4])
+    assert work.comm_time("p2p", 2**20, 2, 4, neighbours=True) == topo.time("p2p", 2**20, [4, 8]) \
+        > topo.time("p2p", 2**20, [0, 4])
+    # ... but a CP ring's hops stay in its groups: with 8 a node, tp 4 cp 2, {0, 4}, {8, 12}, ...
+    # never cross, though ranks 4 and 8 (no group's pair) do
+    eight = planner.workload("llama3-70b", 64)
+    assert eight.comm_time("p2p", 2**20, 2, 4) == eight.topology.time("p2p", 2**20, [0, 4]) \
+        < eight.topology.time("p2p", 2**20, [4, 8])

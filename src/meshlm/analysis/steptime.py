@@ -119,14 +119,15 @@ class Workload:
     def _comm_cache(self) -> dict:
         return {}
 
-    def comm_time(self, op: str, nbytes: float, size: int, stride: int) -> float:
+    def comm_time(self, op: str, nbytes: float, size: int, stride: int, neighbours: bool = False) -> float:
         """Seconds of one collective over the axis groups of `size` ranks `stride` apart, from the
         alpha-beta model, priced on one that spans nodes if any does (the step waits for its
         slowest group: with 6 GPUs a node and cp groups of stride 2, {0, 2} stays inside node 0
-        and {4, 6} does not); memoised."""
-        key = (op, nbytes, size, stride)
+        and {4, 6} does not); `neighbours`: over any `size` consecutive members of the axis (a
+        pipeline's stage pairs), not its groups (a CP ring's hops stay inside its group); memoised."""
+        key = (op, nbytes, size, stride, neighbours)
         if key not in self._comm_cache:
-            self._comm_cache[key] = self.topology.time(op, nbytes, self._slowest_group(size, stride, op == "p2p"))
+            self._comm_cache[key] = self.topology.time(op, nbytes, self._slowest_group(size, stride, neighbours))
         return self._comm_cache[key]
 
     def _slowest_group(self, size: int, stride: int, neighbours: bool) -> list[int]:
@@ -298,7 +299,8 @@ def p2p_seconds(work: Workload, lay: Layout) -> float:
     SP each tp rank sends its sequence shard (pipeline/engine.py's sequence_shards)."""
     if lay.pp == 1:
         return 0.0
-    return work.comm_time("p2p", boundary_bytes(work, lay), 2, lay.tp * lay.cp * lay.dp)  # pp: the outermost axis
+    return work.comm_time("p2p", boundary_bytes(work, lay), 2, lay.tp * lay.cp * lay.dp,  # pp: the outermost axis
+                          neighbours=True)
 
 
 def _pipeline(kind: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, p2p: float, wf: float) -> float:
