@@ -64,11 +64,15 @@ class PhaseProbe:
 
     def _enter(self, name: str) -> None:
         t = self.tracker
+        if t.track_resizes:  # its count follows frees only at the next op: bring it up to date
+            t._resum()
         self._open.append((name, t.live, t.peak))
         t.peak = t.live
 
     def _exit(self) -> None:
         t = self.tracker
+        if t.track_resizes:
+            t._resum()
         name, start, outer_peak = self._open.pop()
         if not self._open:  # a window inside another (a flush's backward) is part of it
             self.windows.append(Window(name, start, t.peak))

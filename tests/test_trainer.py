@@ -156,13 +156,17 @@ def _graph_left_after_steps(world, extra, corpus, run_dir):
     bytes after each step (the tracker's)."""
     import gc
 
+    def with_graph():
+        gc.collect()
+        return {id(t): t for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.grad_fn is not None}
+
+    before = with_graph()  # the test process's own (earlier tests', inherited by forked ranks)
     trainer = build_trainer(small_cfg(corpus, run_dir, world, "train.track_memory=true", *extra))
     live = []
     for _ in range(2):
         trainer.train_step()
         live.append(trainer.memory._cpu_tracker.live)
-    gc.collect()
-    left = [tuple(t.shape) for t in gc.get_objects() if issubclass(type(t), torch.Tensor) and t.grad_fn is not None]
+    left = [tuple(t.shape) for key, t in with_graph().items() if key not in before]
     return left, live
 
 

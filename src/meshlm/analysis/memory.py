@@ -103,7 +103,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     on). The peak is the largest; tests/test_memory_phases.py measures every one."""
     m, p = cfg.model, cfg.parallel
     counts = rank_parameters(cfg, pp_rank)
-    s = engine_state(cfg, counts, backend)
+    s = engine_state(cfg, counts, backend, pp_rank)
     batch, seq = microbatch_tokens(cfg)
     tokens = batch * seq
     last = last_stage(cfg)
@@ -140,6 +140,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     # embedding's. Elsewhere the engine's gradient storage is whole.
     made, made_chunks = (0.0 if s.grads_one_by_one else 1.0), set()
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
+    last_index = max(last_backward.values())  # the rank's syncing backward
     held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
     root_pending = s.root_share > 0  # (FSDP) until the first backward's end
@@ -153,7 +154,11 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # projection's output beside the block's output being made and, with bf16 weights
             # (whose norms save an fp32 upcast instead), the block's input and mid-block residual
             if cfg.train.recompute == "full":
-                unsaved = tokens * (2 * m.dim + 3 * m.ffn_dim // p.tp) * activation_itemsize(cfg)
+                # the larger of the MLP's and the attention's: its normalised input, q, k and v,
+                # and RoPE's three q-sized temporaries (q·cos, the rotated half, its product by sin)
+                q_width, kv_width = m.n_heads // p.tp * m.head_dim, max(1, m.n_kv_heads // p.tp) * m.head_dim
+                unsaved = tokens * max(2 * m.dim + 3 * m.ffn_dim // p.tp,
+                                       m.dim + 4 * q_width + 2 * kv_width) * activation_itemsize(cfg)
             else:
                 unsaved = tokens * m.dim * activation_itemsize(cfg) + boundary_bytes(cfg) * (1 + 2 * bf16_weights(cfg))
             # autocast caches its bf16 weight copies until its region (the forward) exits: under
@@ -167,25 +172,29 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                 point("loss", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=False))
             continue
         incoming = tokens * m.dim * 4  # the gradient arriving at the stage's (or the head's) output
+        # a deferring backward (its chunk's last) keeps each linear's output gradient for the flush
+        defers = last_backward[chunk] == i
+        deferred = deferred_wgrad_bytes(cfg, stage) if defers else 0
         if stage == last:
+            # a deferring head makes no weight gradient here (the flush does); it keeps its input
+            # and the logits' gradient instead
+            head_wgrad = 0 if deferred else s.weight_grad
+            owed_head = deferred_wgrad_bytes(cfg, stage, layers=0) if deferred else 0
             # the loss's backward writes the logits' gradient over what it saved, chunk by chunk
             point("loss backward", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=True))
             # the head's backward: its weight and input gradients beside the logits' gradient; the
             # engine's gradient storage (or ZeRO-2's staging) is made only when the head's weight
             # gradient is handed over, after this
-            point("head backward", live, grads, s.gathered_loss + s.weight_grad + incoming + sp_gathered)
+            point("head backward", live, grads, s.gathered_loss + head_wgrad + incoming + sp_gathered)
             live -= vocab
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
-                  s.gathered_loss + s.weight_grad + incoming + s.in_flight)
+                  s.gathered_loss + head_wgrad + incoming + s.in_flight + owed_head)
             live -= head - vocab  # the rest goes with the final norm's backward
-        # a deferring backward (its chunk's last) keeps each linear's output gradient for the flush
-        defers = last_backward[chunk] == i
-        deferred = deferred_wgrad_bytes(cfg, stage) if defers else 0
         # inside a block's backward: the MLP's gate and up gradients beside the incoming one
         transient = incoming + tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg) + sp_gathered
-        during = s.gathered_backward + s.staging + s.in_flight + rebuilt + transient
+        during = s.gathered_backward + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
         # the top block: it owes the head's (its own output gradients are the transients above)
         point("block backward", live, grads or s.grads_early,
               during + (deferred_wgrad_bytes(cfg, stage, layers=0) if defers else 0))
@@ -220,6 +229,10 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             root_pending = False
         if s.finishes_in_backward and not s.reduces_in_backward:
             point("gradient reduction", live, True, s.reduction)
+        if s.widened and i == last_index:
+            # ZeRO-1 in bf16: the syncing backward (or its flush) launches the last bucket, whose
+            # fp32 copy lives from there to finish_backward (ddp.py `_launch`)
+            point("weight gradients" if deferred else "gradient reduction", live, True, s.widened)
     # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward
     at, boundary = len(program), 0  # reduce_grads has waited for every send
     point("gradient reduction", 0, True, 0 if s.finishes_in_backward else s.reduction)

@@ -210,6 +210,37 @@ class EngineState:
     grads_after_top_block: bool = False  # ZeRO-2: the shard is made when the head's bucket is reduced
     root_share: float = 0  # FSDP: the root unit's share of the gradient shards, made at its reduction,
                            # the first backward's last (the embedding's gradient completes it)
+    tied_waiting: float = 0  # a tied table (one stage): the head's gradient, held by autograd until the
+                             # embedding's arrives, through every block's backward
+    widened: float = 0  # ZeRO-1 in bf16: the last bucket's fp32 copy, made when the syncing backward
+                        # launches it (inside that backward), alive to finish_backward
+
+
+def parameter_sizes(cfg: Config, pp_rank: int) -> list[int]:
+    """Elements of each parameter pipeline rank `pp_rank` holds on one tp rank, in the engines'
+    layout order (reverse registration: the head, the final norm, the blocks from the top, each
+    w2, w3, w1, ffn norm, wo, wv, wk, wq, attention norm; the embedding last)."""
+    m, p = cfg.model, cfg.parallel
+    counts = rank_parameters(cfg, pp_rank)
+    hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
+    q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
+    block = [f, f, f, m.dim, q, m.dim * kv * hd, m.dim * kv * hd, q, m.dim]
+    head = [counts["head"]] if counts["head"] else []
+    norm = [counts["norm"]] if counts["norm"] else []
+    layers = len(stage_layers(cfg)[pp_rank])
+    return head + norm + block * layers + ([counts["embedding"]] if counts["embedding"] else [])
+
+
+def bucket_sizes(sizes: list[int], cap: int, align: int) -> list[int]:
+    """parallel/flat_buffer.py's FlatLayout: a bucket closes once it holds `cap` elements or more
+    (so it can reach cap + a parameter - 1), and a parameter of `cap` or more has its own."""
+    out, current = [], 0
+    for n in sizes:
+        if current and (current >= cap or n >= cap):
+            out.append(-(-current // align) * align)
+            current = 0
+        current += n
+    return out + [-(-current // align) * align]
 
 
 def largest_block_weight(cfg: Config) -> int:
@@ -218,7 +249,7 @@ def largest_block_weight(cfg: Config) -> int:
     return max(m.dim * m.ffn_dim // tp, m.dim * m.n_heads * m.head_dim // tp)
 
 
-def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineState:
+def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int = 0) -> EngineState:
     from meshlm.parallel.ddp import DEFAULT_BUCKET_BYTES
     from meshlm.parallel.zero import stage2_bucket_bytes
 
@@ -245,6 +276,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
         # arrives, then adds the two out of place (three tables at that moment, at any number of
         # ranks; measured, tests/test_memory_phases.py)
         embedding_grad *= 3
+    tied = counts["embedding"] if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1, 2) else 0
     if p.zero == 0:  # at one rank autograd's own .grad tensors, made parameter by parameter (ddp.py)
         # torch's per-tensor AdamW makes two temporaries per tensor (sqrt, then the division), and
         # the previous tensor's denominator lives until the next replaces it: a block's three
@@ -253,6 +285,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
         in_a_row = 3 if ffn_largest else 2
         return EngineState(4 * n, 4 * n, 8 * n, 0, weight_grad=4 * head, embedding_grad=4 * embedding_grad,
                            step=4 * max(2 * vocab_table, in_a_row * block_largest), grads_early=d > 1,
+                           tied_waiting=4 * tied,
                            grads_one_by_one=d == 1)
     master = 4 * n / d if bf16 else 0
     fp32_grads = 4 * n / d if bf16 else 0  # SegmentAdamW casts each bf16 gradient slice to fp32
@@ -268,13 +301,24 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str) -> EngineSta
         if p.zero == 1:
             wide = 4 * last if bf16 else 0  # the last bucket's fp32 copy for the reduction
             return EngineState(item * n, item * n, 8 * n / d, master, weight_grad=item * head, param_item=item,
-                               embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step)
+                               embedding_grad=item * embedding_grad, reduction=wide + copies * last, step=shard_step,
+                               widened=wide, tied_waiting=item * tied)
         # Stage 2's smaller buckets (parallel/zero.py): the one being filled, and the one being
         # reduced with the ring's scratch; the gradient shard exists from the first reduction on.
-        # Each backward ends by reducing its last bucket and waiting for it.
-        return EngineState(item * n, item * n / d, 8 * n / d, master, staging=4 * bucket,
+        # Each backward ends by reducing its last bucket and waiting for it. The bucket being
+        # filled in the blocks' backward is as the layout cuts it (FlatLayout closes a bucket once
+        # it reaches the cap, so it can hold the cap plus a parameter less one element: a block
+        # and a half of a small model), not the nominal cap.
+        buckets = bucket_sizes(parameter_sizes(cfg, pp_rank), max(1, stage2_bucket_bytes(item * n) // item), d)
+        if counts["embedding"] and len(buckets) > 1:
+            buckets = buckets[:-1]  # the embedding's (last) bucket: the embedding backward's point
+        filled = max(buckets[1:] or buckets)  # (the first is the head's, staged at its backward)
+        return EngineState(item * n, item * n / d, 8 * n / d, master, staging=4 * filled,
                            in_flight=(4 + copies) * first, weight_grad=item * head,
-                           embedding_grad=item * embedding_grad, reduction=(4 + copies) * last, step=shard_step,
+                           tied_waiting=item * tied,
+                           # the embedding's gradient is copied into its bucket's staging, made beside it
+                           embedding_grad=max(item * embedding_grad, item * counts["embedding"] + 4 * last),
+                           reduction=(4 + copies) * last, step=shard_step,
                            grads_early=False,
                            grads_after_top_block=True, finishes_in_backward=True)
     unit = layer_parameters(m, p.tp)
