@@ -172,14 +172,15 @@ print(json.dumps(report))
 """
 
 
-def _word_level_tokenizer(path: Path) -> Path:
+def _word_level_tokenizer(path: Path, setup=lambda tokenizer: None) -> Path:
     """A pretrained (word-level) tokenizer.json: ~4x faster than byte-level BPE, so the test spends
-    its seconds on the pipeline whose memory it measures."""
+    its seconds on the pipeline whose memory it measures. `setup` may change it before it is saved."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(200)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    setup(tokenizer)
     tokenizer.save(str(path))
     return path
 
@@ -338,6 +339,26 @@ def test_pieces_cut_before_an_indented_line_or_forced_keep_memory_bounded_and_id
     assert ids == tokenizer.encode(indented).ids  # cuts before " x" lines change nothing
     endless = "x" * 100_000  # no newline at all: cut anyway, every 8 pieces
     assert [len(p) for p in split_for_encoding(endless, 1000)][:3] == [8000, 8000, 8000]
+
+
+SAVED_SETTINGS = {"truncation": lambda t: t.enable_truncation(max_length=8),
+                  "padding": lambda t: t.enable_padding(pad_id=1, pad_token="<unk>", length=2048)}
+
+
+@pytest.mark.parametrize("setting", sorted(SAVED_SETTINGS))
+def test_a_pretrained_tokenizers_saved_truncation_or_padding_never_touches_the_documents(tmp_path, setting):
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json", SAVED_SETTINGS[setting])
+    words = [f"w{i % 200}" + ("\n" if i % 10 == 9 else " ") for i in range(1000)]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("".join(words))
+    prepared = prepare_data(DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"),
+                                       tokenizer=str(tokenizer), workers=2, val_fraction=0.1), 256, log=lambda m: None)
+    expected = [int(w.strip()[1:]) + 2 for w in words]  # every word, in order: no cut, no pad id (1)
+    tokens = np.concatenate([prepared.train_tokens(), prepared.val_tokens()]).tolist()
+    assert [i for i in tokens if i != prepared.eot_id] == expected
+    assert (prepared.cache_dir / "tokenizer.json").read_bytes() == tokenizer.read_bytes()  # the file as given
+    [ids] = encode_documents(prepared.tokenizer(), ["".join(words)])  # the reference encoding, too
+    assert ids == expected
 
 
 def test_the_embedding_follows_a_pretrained_tokenizer_unless_set(tmp_path):

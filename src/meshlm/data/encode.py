@@ -84,7 +84,9 @@ _WORKER: dict = {}
 def _init_worker(spec: EncodeSpec) -> None:
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+    from meshlm.train.tokenizer import for_documents
+
+    tokenizer = for_documents(Tokenizer.from_str(spec.tokenizer_json))  # no truncation, no padding
     # A literal "<|endoftext|>" inside a text is ordinary characters: only our separators mean
     # "new document" (as train/tokenizer.encode_documents does).
     tokenizer.encode_special_tokens = True

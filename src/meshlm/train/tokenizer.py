@@ -56,8 +56,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def for_documents(tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` with no truncation and no padding, which it returns. A saved tokenizer.json may
+    carry either (many Hugging Face tokenizers keep the model's max length or a pad length): applied
+    to whole documents they would drop every token past max_length or insert pad ids into the token
+    stream. meshlm encodes documents and windows them itself, so every load that encodes goes
+    through here (the file itself is kept byte for byte: exports carry the user's settings)."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    return Tokenizer.from_file(str(path))
+    return for_documents(Tokenizer.from_file(str(path)))
 
 
 # --------------------------------------------------------------------------- pretrained
@@ -134,7 +145,7 @@ def load_pretrained(path: str | Path) -> PretrainedTokenizer:
     file = tokenizer_file(path)
     data = file.read_bytes()
     try:
-        tokenizer = Tokenizer.from_str(data.decode())
+        tokenizer = for_documents(Tokenizer.from_str(data.decode()))
     except Exception as e:  # tokenizers raises plain Exception on a bad file
         raise ConfigError(f"data.tokenizer: {file}: not a tokenizers JSON file ({e})") from None
     vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -207,6 +218,7 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str], split: bool = True)
     """Ids for many texts at once, in parallel. A literal "<|endoftext|>" inside a text is encoded
     as ordinary characters, so only the separators we insert ourselves mean "new document".
     `split`: cut long texts into pieces first (only for tokenizers where that changes nothing)."""
+    for_documents(tokenizer)  # every token of every document, no pad ids
     pieces = [split_for_encoding(text) if split else [text] for text in texts]
     # encode_batch_fast (tokenizers >= 0.20) skips computing character offsets: ~2x faster.
     encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
