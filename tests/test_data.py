@@ -84,12 +84,28 @@ def test_encoding_in_pieces_equals_encoding_whole(pydoc_tokenizer):
 # --------------------------------------------------------------------------- corpus and cache
 
 
-def test_split_document_keeps_a_line_aligned_tail():
-    text = "".join(f"line {i}\n" for i in range(100))
-    head, tail = split_document(text, 0.1)
-    assert head + tail == text and head.endswith("\n")
-    assert len(tail) >= 0.1 * len(text)
-    assert split_document("no newline here", 0.2) == ("no newline h", "ere")
+def test_split_document_cuts_near_the_target_at_a_line_start_or_before_a_space():
+    lines = "".join(f"line {i}\n" for i in range(2000))
+    head, tail = split_document(lines, 0.1)
+    assert head + tail == lines and head.endswith("\n") and tail.startswith("line ")
+    assert 0.1 <= len(tail) / len(lines) <= 0.125
+    # A title line and one long paragraph: not back to the title (the old rule held out 99.9%).
+    rng = np.random.default_rng(0)
+    paragraph = " ".join(str(w) for w in rng.choice(["alpha", "be", "gamma", "delta", "epsilon"], 3000))
+    head, tail = split_document("Title\n" + paragraph, 0.05)
+    assert head + tail == "Title\n" + paragraph and 0.05 <= len(tail) / (len(head) + len(tail)) <= 0.0625
+    assert tail.startswith(" ") and head[-1] != " "  # between two words, never inside one
+    endless = "x" * 4000  # no line start, no space: cut at the target
+    assert split_document(endless, 0.1) == (endless[:3600], endless[3600:])
+
+
+def test_a_document_too_short_to_cut_goes_whole_to_one_split_by_its_hash():
+    short = [f"review {i}: the quick brown fox jumps over the lazy dog" for i in range(4000)]
+    splits = [split_document(text, 0.05) for text in short]
+    assert all(pair in ((text, ""), ("", text)) for text, pair in zip(short, splits))  # never a fragment
+    held_out = sum(head == "" for head, _ in splits)
+    assert 0.04 * 4000 <= held_out <= 0.06 * 4000  # ~val_fraction of them (binomial: 200 +- 14)
+    assert splits == [split_document(text, 0.05) for text in short]  # deterministic
 
 
 def test_prepare_data_round_trips_and_is_cached(tmp_path):
@@ -106,15 +122,16 @@ def test_prepare_data_round_trips_and_is_cached(tmp_path):
     assert len(train) == prepared.n_train_tokens and len(val) == prepared.n_val_tokens > 0
     assert int(train.max()) < 300 and int(val.max()) < 300
 
-    # Train holds the head of every document and val its tail, each followed by EOT: together
-    # exactly the source text. (z.txt's literal "<|endoftext|>" decodes back to the same string.)
+    # Train holds the head of every document and val its tail (a short document: the whole of it
+    # in one of them), each followed by EOT: together exactly the source text. (z.txt's literal
+    # "<|endoftext|>" decodes back to the same string.)
     tok = prepared.tokenizer()
     splits = [split_document(files[name], 0.1) for name in sorted(files)]
-    assert decode(tok, train) == "".join(head + EOT for head, _ in splits)
-    assert decode(tok, val) == "".join(tail + EOT for _, tail in splits)
-    # Disjoint: each tail is at least the last 10% of its document, and follows its head.
+    assert decode(tok, train) == "".join(head + EOT for head, _ in splits if head)
+    assert decode(tok, val) == "".join(tail + EOT for _, tail in splits if tail)
+    # Disjoint: a cut document's tail is at least its last 10%, and follows its head.
     for name, (head, tail) in zip(sorted(files), splits):
-        assert head + tail == files[name] and len(tail) >= 0.1 * len(files[name])
+        assert head + tail == files[name] and (not head or not tail or len(tail) >= 0.1 * len(files[name]))
 
     tokenizer_mtime = prepared.tokenizer_path.stat().st_mtime_ns
     messages.clear()

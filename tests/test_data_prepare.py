@@ -361,6 +361,40 @@ def test_a_pretrained_tokenizers_saved_truncation_or_padding_never_touches_the_d
     assert ids == expected
 
 
+def _jsonl_shapes(root: Path) -> dict[str, Path]:
+    """Two common JSONL shapes: web/Wikipedia-like documents with a paragraph per line, and short
+    single-line documents (reviews, posts, Q&A)."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics.values()).split()
+    rng = np.random.default_rng(0)
+
+    def paragraph(n):
+        start = int(rng.integers(len(words) - n))
+        return " ".join(words[start:start + n])
+
+    shapes = {"paragraphs": [("\n\n".join(paragraph(int(rng.integers(60, 150))) for _ in range(int(rng.integers(4, 10)))))
+                             for _ in range(300)],
+              "short": [paragraph(int(rng.integers(10, 40))) for _ in range(4000)]}
+    for name, texts in shapes.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "docs.jsonl").write_text(jsonl_lines(texts))
+    return {name: root / name for name in shapes}
+
+
+def test_the_held_out_share_of_tokens_is_val_fraction_on_common_jsonl_shapes(tmp_path):
+    """Paragraph-per-line documents are cut near 5% from their end (the old rule went back to the
+    last line start: ~25% held out); short documents go whole to one split (the old rule cut a
+    word fragment off each: ~2 tokens and an EOT held out per document)."""
+    for name, path in _jsonl_shapes(tmp_path / "corpus").items():
+        prepared = prepare_data(DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), val_fraction=0.05,
+                                           workers=1), 512, log=lambda m: None)
+        share = prepared.n_val_tokens / (prepared.n_train_tokens + prepared.n_val_tokens)
+        assert 0.04 <= share <= 0.065, (name, share)
+        held_out = len(prepared.document_offsets("val")) - 1
+        assert prepared.n_val_tokens / held_out >= 30, name  # whole documents or tails of >= 128 characters
+
+
 def test_the_embedding_follows_a_pretrained_tokenizer_unless_set(tmp_path):
     from meshlm.config import load_config, resolve
 

@@ -11,6 +11,7 @@ own thread pool is off in workers): N processes on N cores, not N x N threads.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import multiprocessing
 import os
@@ -26,15 +27,41 @@ _LONG_DOCUMENT_CHARS = 128 << 10
 _IN_FLIGHT_PER_WORKER = 2  # queued chunks per worker: enough to keep it busy, few enough to bound memory
 
 
+# A document whose held-out tail would be shorter than this goes whole to one split instead: a
+# tail of a few characters is a fragment of ~2 tokens and an EOT, which measures nothing, and
+# cutting every short document would hold out a word of each (several times val_fraction).
+_MIN_TAIL_CHARS = 128
+_MAX_STEP_BACK = 4  # the cut moves back at most a quarter of the tail: at most 1.25 x val_fraction
+
+
 def split_document(text: str, val_fraction: float) -> tuple[str, str]:
-    """(train head, validation tail): the tail is at least the last `val_fraction` of the text,
-    starting at a line start when the text has one before that point. So validation covers every
-    document rather than only the last ones, and shares no text with training."""
-    target = len(text) - math.ceil(len(text) * val_fraction)
-    cut = text.rfind("\n", 0, target) + 1
+    """(train head, validation tail), one of them possibly empty; they share no text.
+
+    A document long enough to have a tail of `_MIN_TAIL_CHARS` is cut near `val_fraction` from its
+    end: back to a line start if one is within a quarter of the tail, else before a space, else
+    (no space either: CJK, minified code) at the target. So validation covers every long
+    document, never starts mid-word, and holds out 1 to 1.25 x val_fraction of it. A shorter
+    document goes whole to validation with probability val_fraction, decided by a hash of its
+    text (deterministic, and exact duplicates land in the same split), so the held-out share of
+    a corpus of short documents is still about val_fraction.
+    """
+    n_tail = math.ceil(len(text) * val_fraction)
+    if n_tail < _MIN_TAIL_CHARS:
+        return ("", text) if _held_out_whole(text, val_fraction) else (text, "")
+    target = len(text) - n_tail
+    reach = target - n_tail // _MAX_STEP_BACK
+    cut = text.rfind("\n", reach, target) + 1
     if cut == 0:
+        cut = text.rfind(" ", reach, target + 1)  # the tail starts with " word", as in running text
+    if cut <= 0:
         cut = target
     return text[:cut], text[cut:]
+
+
+def _held_out_whole(text: str, val_fraction: float) -> bool:
+    """Whether a document too short to cut is validation: a uniform draw from its text's hash."""
+    digest = hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,7 @@ class EncodedChunk:
     val_lengths: np.ndarray
     text_bytes: int
     worker_peak_bytes: int = 0  # the encoding process's peak resident memory so far (getrusage)
+    train_index: np.ndarray | None = None  # which of the chunk's documents are in `train` (a head), in order
 
 
 def chunk_documents(documents: Iterable[tuple[str, str]], chunk_bytes: int = CHUNK_BYTES
@@ -111,7 +139,8 @@ def encode_chunk(texts: list[str]) -> EncodedChunk:
             raise RuntimeError(f"{split} token id {int(ids.max())} >= vocab_size {spec.vocab_size}")
         out[split] = (ids, np.asarray(lengths, dtype=np.int64))
     return EncodedChunk(out["train"][0], out["val"][0], out["train"][1], out["val"][1],
-                        sum(len(t.encode()) for t in texts), peak_resident_bytes())
+                        sum(len(t.encode()) for t in texts), peak_resident_bytes(),
+                        np.array([d for d, (head, _) in enumerate(heads_tails) if head], dtype=np.int64))
 
 
 def peak_resident_bytes() -> int:

@@ -38,7 +38,8 @@ from meshlm.train.corpus import Corpus
 from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, eot_id, load_tokenizer,
                                     split_for_encoding, splits_like_gpt2, train_tokenizer)
 
-DATA_FORMAT_VERSION = 3  # 2: streamed shards, one file per split, document index; 3: no forced cuts in real text
+DATA_FORMAT_VERSION = 4  # 2: streamed shards, one file per split, document index; 3: no forced cuts in real
+# text; 4: the held-out cut near val_fraction (short documents held out whole, by hash)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -76,10 +76,11 @@ class ShardWriter:
         shard["chunks"] += 1
         shard["documents"] += len(names)
         shard["text_bytes"] += chunk.text_bytes
-        if len(chunk.train_lengths) == len(names):  # every head non-empty: lengths line up with names
-            sizes = chunk.train_lengths
-            top = np.argsort(sizes)[-LONGEST_KEPT:]
-            shard["longest"] = heapq.nlargest(LONGEST_KEPT, shard["longest"] + [[int(sizes[i]), names[i]] for i in top])
+        # The train heads' lengths, named (a document held out whole has no head).
+        sizes, index = chunk.train_lengths, chunk.train_index
+        top = np.argsort(sizes)[-LONGEST_KEPT:]
+        shard["longest"] = heapq.nlargest(LONGEST_KEPT, shard["longest"] + [[int(sizes[i]), names[int(index[i])]]
+                                                                            for i in top])
         if shard["chunks"] == self.shard_chunks:
             self.close_shard()
 

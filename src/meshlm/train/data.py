@@ -17,9 +17,11 @@ string is its content digest. User files are keyed first by (path, size, mtime) 
 as `make` does; only when those change are the files read and hashed (`tokens/digests/` maps the
 first key to the content digest, so touching a file re-hashes but does not re-tokenize).
 
-Held-out split. The last `val_fraction` of every document (cut back to a line start) is
-validation text, the rest training text; the tokenizer is trained on the training text only. So
-validation covers every work rather than only the last one, and shares no text with training.
+Held-out split (data/encode.split_document). The last `val_fraction` of every long document (cut
+near that point at a line start or before a space) is validation text, a short document goes whole
+to one split by a hash of its text; the tokenizer is trained on the training text only. So
+validation covers every work rather than only the last one, shares no text with training, and is
+about `val_fraction` of the tokens.
 
 A blend (`data.blend`) is several caches with one tokenizer; `PreparedData.parts` lists them.
 """
@@ -156,8 +158,9 @@ def _gather_windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) ->
 def _count_windows(tokens: np.ndarray, seq_len: int, what: str) -> int:
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows < 1:
+        more = "more text, a larger data.val_fraction" if what == "validation" else "more text"
         raise ConfigError(f"train.seq_len: the {what} split has {len(tokens)} tokens, fewer than one window "
-                          f"of seq_len+1 = {seq_len + 1}; use more text or a shorter train.seq_len")
+                          f"of seq_len+1 = {seq_len + 1}; use {more} or a shorter train.seq_len")
     return n_windows
 
 
