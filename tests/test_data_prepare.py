@@ -264,6 +264,25 @@ def _corrupt_gzip(root):
     (root / "x.jsonl.gz").write_bytes(gzip.compress(jsonl_lines(["a" * 1000] * 50).encode())[:300])
 
 
+def test_a_zstd_file_of_several_frames_is_read_whole(tmp_path, monkeypatch):
+    import zstandard
+
+    from meshlm.data import readers
+
+    monkeypatch.setattr(readers, "_ZSTD_BLOCK", 7)  # frames end inside blocks and at their edges
+    texts = [f"frame document {i}" for i in range(300)]
+    frames = [zstandard.ZstdCompressor().compress(jsonl_lines(texts[k:k + 100]).encode()) for k in (0, 100, 200)]
+    (tmp_path / "x.jsonl.zst").write_bytes(b"".join(frames))
+    assert [t for _, t in readers.read_documents(tmp_path / "x.jsonl.zst", "x", "text")] == texts
+
+
+def _truncated_zstd(root):
+    import zstandard
+
+    whole = zstandard.ZstdCompressor().compress(jsonl_lines([f"zstd document {i} " * 20 for i in range(200)]).encode())
+    (root / "x.jsonl.zst").write_bytes(whole[:-8])  # its last block cut short
+
+
 BAD_INPUTS = [
     (_bad_jsonl, r"bad\.jsonl:3: not JSON \(.* at column \d+\)"),
     (_no_field, r"x\.jsonl:2: field 'text' \(data\.text_field\): no such field"),
@@ -273,6 +292,7 @@ BAD_INPUTS = [
     (_latin1_jsonl, r"x\.jsonl:2: not UTF-8"),
     (_empty, r"contains no text"),
     (_corrupt_gzip, r"x\.jsonl\.gz: cannot decompress after line"),
+    (_truncated_zstd, r"x\.jsonl\.zst: cannot decompress after line \d+ \(the file ends inside a zstd frame\)"),
 ]
 
 
