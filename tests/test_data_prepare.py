@@ -283,6 +283,10 @@ def _truncated_zstd(root):
     (root / "x.jsonl.zst").write_bytes(whole[:-8])  # its last block cut short
 
 
+def _lone_surrogate(root):
+    (root / "x.jsonl").write_text(jsonl_lines(["fine \U0001F600"]) + '{"text": "bad \\ud83d half an emoji"}\n')
+
+
 BAD_INPUTS = [
     (_bad_jsonl, r"bad\.jsonl:3: not JSON \(.* at column \d+\)"),
     (_no_field, r"x\.jsonl:2: field 'text' \(data\.text_field\): no such field"),
@@ -292,6 +296,7 @@ BAD_INPUTS = [
     (_latin1_jsonl, r"x\.jsonl:2: not UTF-8"),
     (_empty, r"contains no text"),
     (_corrupt_gzip, r"x\.jsonl\.gz: cannot decompress after line"),
+    (_lone_surrogate, r"x\.jsonl:2: field 'text' \(data\.text_field\) holds a lone surrogate \\ud83d at character 4"),
     (_truncated_zstd, r"x\.jsonl\.zst: cannot decompress after line \d+ \(the file ends inside a zstd frame\)"),
 ]
 

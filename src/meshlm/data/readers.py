@@ -217,7 +217,22 @@ def _jsonl_text(raw: bytes, path: Path, line_no: int, text_field: str) -> str:
         found = "no such field" if not isinstance(record, dict) or text_field not in record else \
             f"a {type(text).__name__}, not a string"
         raise ConfigError(f"data.path: {path}:{line_no}: field {text_field!r} (data.text_field): {found}")
+    if b"\\u" in raw:  # only a \uXXXX escape can make a lone surrogate: the line's bytes are strict UTF-8
+        _check_no_lone_surrogate(text, path, line_no, text_field)
     return text
+
+
+def _check_no_lone_surrogate(text: str, path: Path, line_no: int, text_field: str) -> None:
+    """An error for half a UTF-16 pair ("\\ud83d" alone), which json accepts but is not Unicode
+    text: the tokenizer (Rust strings) cannot take it, and replacing it with U+FFFD would train on
+    a character the writer never meant. An error, as for invalid UTF-8 bytes in a line: the same
+    defect (a string cut inside a character), and the writer's bug to fix."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"data.path: {path}:{line_no}: field {text_field!r} (data.text_field) holds a lone "
+                          f"surrogate \\u{ord(text[e.start]):04x} at character {e.start} (half a UTF-16 pair: "
+                          f"not Unicode text)") from None
 
 
 # --------------------------------------------------------------------------- Parquet
