@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -287,6 +288,16 @@ def _lone_surrogate(root):
     (root / "x.jsonl").write_text(jsonl_lines(["fine \U0001F600"]) + '{"text": "bad \\ud83d half an emoji"}\n')
 
 
+def _dangling_link(root):
+    (root / "a.txt").write_text("A readable document.\n")
+    (root / "x.txt").symlink_to(root / "gone.txt")
+
+
+def _unreadable(root):
+    (root / "x.txt").write_text("A document nobody may read.\n")
+    (root / "x.txt").chmod(0)
+
+
 BAD_INPUTS = [
     (_bad_jsonl, r"bad\.jsonl:3: not JSON \(.* at column \d+\)"),
     (_no_field, r"x\.jsonl:2: field 'text' \(data\.text_field\): no such field"),
@@ -297,11 +308,15 @@ BAD_INPUTS = [
     (_empty, r"contains no text"),
     (_corrupt_gzip, r"x\.jsonl\.gz: cannot decompress after line"),
     (_lone_surrogate, r"x\.jsonl:2: field 'text' \(data\.text_field\) holds a lone surrogate \\ud83d at character 4"),
+    (_dangling_link, r"x\.txt: cannot read \(No such file or directory\)"),
+    pytest.param(_unreadable, r"x\.txt: cannot read \(Permission denied\)", id="unreadable",
+                 marks=pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")),
     (_truncated_zstd, r"x\.jsonl\.zst: cannot decompress after line \d+ \(the file ends inside a zstd frame\)"),
 ]
 
 
-@pytest.mark.parametrize("make, message", BAD_INPUTS, ids=[m.__name__.strip("_") for m, _ in BAD_INPUTS])
+@pytest.mark.parametrize("make, message", BAD_INPUTS,
+                         ids=[None if len(m) == 3 else m[0].__name__.strip("_") for m in BAD_INPUTS])
 def test_bad_input_is_one_line_naming_the_file_and_leaves_the_existing_cache_untouched(tmp_path, make, message):
     corpus, cache = tmp_path / "corpus", tmp_path / "cache"
     corpus.mkdir()

