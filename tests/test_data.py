@@ -340,13 +340,23 @@ def test_loader_rejects_impossible_shapes():
         loader.microbatches(0, 0, 2, 2)
 
 
+def test_eval_share_gives_every_dp_rank_as_many_batches_padding_with_batches_that_count_nothing():
+    from meshlm.train.data import eval_share
+
+    batches = eval_batches(counting_stream(1601), 16, windows=10, batch_size=2)  # 5 batches over 3 ranks
+    shares = [eval_share(batches, rank, 3) for rank in range(3)]
+    assert [len(s) for s in shares] == [2, 2, 2]
+    assert [x for s in shares for x, t in s if (t != -100).any()] == [x for x, _ in batches][0::3] + \
+        [x for x, _ in batches][1::3] + [x for x, _ in batches][2::3]  # each batch once; the padding counts nothing
+
+
 def test_eval_batches_are_fixed_and_spread_over_the_split():
     val = counting_stream(1601)  # 100 windows of 16
-    batches = eval_batches(val, 16, 4, 3)
+    batches = eval_batches(val, 16, windows=12, batch_size=4)
     assert len(batches) == 3 and all(x.shape == (4, 16) for x, _ in batches)
     starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
     assert len(set(starts)) == 12 and starts == sorted(starts) and starts[-1] >= 1200
-    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(batches, eval_batches(val, 16, 4, 3)))
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(batches, eval_batches(val, 16, windows=12, batch_size=4)))
     assert all(torch.equal(t, x + 1) for x, t in batches)
-    small = eval_batches(counting_stream(33), 16, 4, 1)  # 2 windows: they repeat
+    small = eval_batches(counting_stream(33), 16, windows=4, batch_size=4)  # 2 windows: they repeat
     assert small[0][0][:, 0].tolist() == [0, 16, 0, 16]

@@ -107,12 +107,12 @@ def test_a_prepared_blend_shares_one_tokenizer_and_evaluates_each_corpus(tmp_pat
     (w0, prose), (w1, code) = data.parts
     assert (w0, w1) == (0.75, 0.25) and prose.corpus == "prose" and code.corpus == "code.jsonl"
     assert prose.tokenizer_path.read_bytes() == code.tokenizer_path.read_bytes()  # the first corpus's BPE
-    sets = eval_sets(data, 16, 2, 2)
+    sets = eval_sets(data, 16, windows=4, batch_size=2)
     assert list(sets) == ["prose", "code.jsonl"] and all(len(batches) == 2 for batches in sets.values())
     assert isinstance(make_loader(data, 16, 8, 0), BlendLoader)
     assert prepare_data(cfg, 320, log=lambda m: None).cache_hit  # prepared once
     single = prepare_data(DataConfig(path=blend[0][1], cache_dir=str(tmp_path / "cache")), 320, log=lambda m: None)
-    assert isinstance(make_loader(single, 16, 8, 0), TokenLoader) and list(eval_sets(single, 16, 2, 2)) == ["prose"]
+    assert isinstance(make_loader(single, 16, 8, 0), TokenLoader) and list(eval_sets(single, 16, windows=4, batch_size=2)) == ["prose"]
 
 
 def test_corpora_with_the_same_directory_name_are_evaluated_each(tmp_path):
@@ -123,7 +123,7 @@ def test_corpora_with_the_same_directory_name_are_evaluated_each(tmp_path):
     blend = [[1, str(tmp_path / "a" / "prose")], [1, str(tmp_path / "b" / "prose")]]
     data = prepare_data(DataConfig(blend=blend, cache_dir=str(tmp_path / "cache"), workers=1, val_fraction=0.1), 320,
                         log=lambda m: None)
-    sets = eval_sets(data, 16, 2, 2)
+    sets = eval_sets(data, 16, windows=4, batch_size=2)
     assert list(sets) == ["prose.1", "prose.2"]
     assert not torch.equal(sets["prose.1"][0][0], sets["prose.2"][0][0])  # each its own corpus's text
 

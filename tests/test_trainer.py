@@ -100,13 +100,27 @@ def test_bf16_autocast_trains_close_to_fp32(corpus, tmp_path):
                                          (4, ("parallel.zero=3", "parallel.pp=2", "parallel.dp=2"))],
                          ids=["zero3-dp2", "zero3-dp3", "zero3-dp2-pp2"])
 def test_held_out_batches_that_dp_does_not_divide_evaluate_without_a_hang(corpus, tmp_path, world, extra):
-    """5 held-out batches over 2 or 3 dp ranks: ZeRO-3 gathers every unit over dp in each forward,
-    so every rank runs as many forwards (the short ones on a batch that counts nothing), and the
-    loss is one process's."""
-    single = build_trainer(make_cfg(corpus, tmp_path / "a", 1, "train.eval_batches=5")).evaluate()
+    """5 global batches of held-out windows over 2 or 3 dp ranks under ZeRO-3, which gathers every
+    unit over dp in each forward: every rank runs as many forwards, and the loss is one process's
+    (with the same global batch: it sets the number of windows). The micro-batch count is now a
+    multiple of dp by construction; eval_share's padding for other counts is tested in test_data."""
+    same_batch = [e for e in extra if e.startswith("train.")]
+    single = build_trainer(make_cfg(corpus, tmp_path / "a", 1, "train.eval_batches=5", *same_batch)).evaluate()
     cfg = make_cfg(corpus, tmp_path / "b", world, "train.eval_batches=5", *extra)
     assert run_ranks(lambda: build_trainer(cfg).evaluate(), world, timeout=120) == pytest.approx([single] * world,
                                                                                                   abs=1e-6)
+
+
+def test_eval_loss_is_the_same_for_every_micro_batch_size(corpus, tmp_path):
+    """The held-out windows are train.eval_batches global batches whatever the micro-batch split
+    (they were micro_batch_size x eval_batches: mbs 8 measured 4x the windows of mbs 2)."""
+    losses, windows = [], []
+    for mbs in (2, 4, 8):  # the same initial weights (one seed), GLOBAL_BATCH = 8
+        trainer = build_trainer(make_cfg(corpus, tmp_path / f"mbs{mbs}", 1, f"train.micro_batch_size={mbs}"))
+        windows.append(torch.cat([x for x, _ in trainer.eval_set]))
+        losses.append(trainer.evaluate())
+    assert all(torch.equal(w, windows[0]) for w in windows)
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-6)
 
 
 def test_eval_loss_is_the_same_for_every_dp_layout(corpus, tmp_path):

@@ -120,14 +120,16 @@ def make_loader(data, seq_len: int, global_batch_size: int, seed: int):
     return BlendLoader([(w, p.train_tokens()) for w, p in data.parts], seq_len, global_batch_size, seed)
 
 
-def eval_sets(data, seq_len: int, batch_size: int, n_batches: int) -> dict:
-    """{corpus label: fixed held-out batches}: one entry, or one per corpus of a blend. Corpora
-    whose labels (their directory names) coincide are told apart by their place in the blend,
-    `train.1`, `train.2`: one entry each, or the later would replace the earlier."""
+def eval_sets(data, seq_len: int, *, windows: int, batch_size: int) -> dict:
+    """{corpus label: fixed held-out batches}, `windows` windows each in batches of `batch_size`:
+    one entry, or one per corpus of a blend. Corpora whose labels (their directory names) coincide
+    are told apart by their place in the blend, `train.1`, `train.2`: one entry each, or the later
+    would replace the earlier."""
     parts = data.parts or ((1.0, data),)
     labels = [p.corpus for _, p in parts]
     names = [f"{label}.{i + 1}" if labels.count(label) > 1 else label for i, label in enumerate(labels)]
-    return {name: eval_batches(p.val_tokens(), seq_len, batch_size, n_batches) for name, (_, p) in zip(names, parts)}
+    return {name: eval_batches(p.val_tokens(), seq_len, windows=windows, batch_size=batch_size)
+            for name, (_, p) in zip(names, parts)}
 
 
 class BlendLoader(TokenLoader):

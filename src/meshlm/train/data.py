@@ -268,22 +268,20 @@ class TokenLoader:
         self.next_step = consumed // self.global_batch_size
 
 
-def eval_batches(val_tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list[Batch]:
-    """A fixed list of held-out batches: batch_size*n_batches windows spread evenly over the split.
+def eval_batches(val_tokens: np.ndarray, seq_len: int, *, windows: int, batch_size: int) -> list[Batch]:
+    """A fixed list of held-out batches: `windows` windows spread evenly over the split, cut into
+    batches of `batch_size` (the micro-batch; the last may be shorter).
 
-    No randomness, so every layout and every eval point measures the same tokens. If the split
-    has fewer windows than asked for, windows repeat (the mean is still over held-out text).
+    No randomness, and the windows do not depend on `batch_size`, so every layout and every micro-
+    batch split measures the same tokens, at every eval point. If the split has fewer windows
+    than asked for, windows repeat (the mean is still over held-out text).
     """
     n_windows = _count_windows(val_tokens, seq_len, "validation")
-    count = batch_size * n_batches
-    if count <= n_windows:
-        ids = np.arange(count) * n_windows // count  # evenly spaced, all distinct
+    if windows <= n_windows:
+        ids = np.arange(windows) * n_windows // windows  # evenly spaced, all distinct
     else:
-        ids = np.arange(count) % n_windows
-    batches = []
-    for b in range(n_batches):
-        batches.append(_gather_windows(val_tokens, ids[b * batch_size:(b + 1) * batch_size], seq_len))
-    return batches
+        ids = np.arange(windows) % n_windows
+    return [_gather_windows(val_tokens, ids[b:b + batch_size], seq_len) for b in range(0, windows, batch_size)]
 
 
 def eval_share(batches: list[Batch], dp_rank: int, dp_size: int) -> list[Batch]:

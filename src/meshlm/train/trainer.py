@@ -75,8 +75,11 @@ class Trainer:
         t = cfg.train
         self.loader = make_loader(data, t.seq_len, t.global_batch_size, cfg.run.seed)  # a blend's too
         # Held-out batches per corpus (one, or each of a data.blend); eval_loss is over all of them.
+        # train.eval_batches global batches of windows (Megatron's eval-iters), whatever the
+        # micro-batch split: every layout measures the same tokens; micro-batches bound the memory.
         self.eval_sets = {name: [self._shard(batch) for batch in batches] for name, batches in
-                          eval_sets(data, t.seq_len, t.micro_batch_size, t.eval_batches).items()}
+                          eval_sets(data, t.seq_len, windows=t.eval_batches * t.global_batch_size,
+                                    batch_size=t.micro_batch_size).items()}
         self.eval_set = [batch for batches in self.eval_sets.values() for batch in batches]
         # FSDP frees gathered parameters by resizing storages in place: the tracker must follow that.
         self.memory = PeakMemory(self.device, enabled=t.track_memory, track_resizes=cfg.parallel.zero == 3,
