@@ -143,6 +143,54 @@ def test_a_killed_preparation_resumes_at_its_last_shard_and_matches_a_fresh_one(
     assert sorted(p.name for p in tokens_dir.iterdir()) == sorted(["digests", resumed.cache_dir.name])
 
 
+def test_a_torn_shard_marker_or_meta_json_is_built_again_not_a_traceback(tmp_path, monkeypatch):
+    """What a crash can leave where the rename reached the disk and the data did not: an empty
+    marker (that shard and those after it are encoded again) or an empty meta.json (the cache is
+    built again). Both were a JSONDecodeError at every later prepare."""
+    from meshlm.data import shards as shards_module
+
+    write_mixed_corpus(tmp_path / "corpus")
+    small_chunks(monkeypatch)
+    cfg = DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"), workers=1)
+    close = shards_module.ShardWriter.close_shard
+
+    def close_then_fail(self):
+        close(self)
+        if len(self.done) == 3:
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(shards_module.ShardWriter, "close_shard", close_then_fail)
+    with pytest.raises(RuntimeError, match="killed"):
+        prepare_data(cfg, 400, log=lambda m: None)
+    monkeypatch.setattr(shards_module.ShardWriter, "close_shard", close)
+    [building] = (tmp_path / "cache" / "tokens").glob(".building-*")
+    (building / "shards" / "00002.json").write_text("")
+    messages = []
+    resumed = prepare_data(cfg, 400, log=messages.append)
+    assert any("after 2 complete shard(s)" in m for m in messages), messages
+    fresh = prepare_data(DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "fresh"), workers=1), 400,
+                         log=lambda m: None)
+    assert np.array_equal(resumed.train_tokens(), fresh.train_tokens())
+
+    (resumed.cache_dir / "meta.json").write_text('{"format": 4, "corp')
+    again = prepare_data(cfg, 400, log=lambda m: None)
+    assert not again.cache_hit and again.cache_dir == resumed.cache_dir
+    assert np.array_equal(again.train_tokens(), fresh.train_tokens())
+    assert np.array_equal(again.val_tokens(), fresh.val_tokens())
+
+
+def test_json_markers_reach_the_disk_before_their_name_does(tmp_path, monkeypatch):
+    from meshlm.data.shards import write_json_atomically
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    write_json_atomically(tmp_path / "00000.json", {"chunks": 1})
+    tmp = str(tmp_path / ".00000.json.tmp")
+    assert events == [("fsync", tmp), ("replace", tmp, str(tmp_path / "00000.json")), ("fsync", str(tmp_path))]
+
+
 # --------------------------------------------------------------------------- bounded memory
 
 

@@ -51,8 +51,11 @@ def cache_key(fields: dict) -> str:
 
 def is_complete(cache_dir: Path) -> bool:
     """meta.json is written last inside the building directory, which is then renamed into place:
-    a directory with it is complete, and no other directory is ever read as a cache."""
-    return (cache_dir / "meta.json").is_file()
+    a directory with it is complete, and no other directory is ever read as a cache. A meta.json
+    that does not parse (torn by a crash) is not complete: the cache is built again."""
+    from meshlm.data.shards import read_json
+
+    return read_json(cache_dir / "meta.json") is not None
 
 
 @contextlib.contextmanager

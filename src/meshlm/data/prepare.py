@@ -32,7 +32,8 @@ import numpy as np
 from meshlm.data.cache import build_lock, is_complete
 from meshlm.data.encode import (CHUNK_BYTES, EncodeSpec, EncoderPool, chunk_documents, peak_resident_bytes,
                                 split_document)
-from meshlm.data.shards import SHARD_CHUNKS, ShardWriter, write_json_atomically
+from meshlm.data.shards import (SHARD_CHUNKS, ShardWriter, fsync_directory, read_json, replace_durably,
+                                write_json_atomically)
 from meshlm.errors import ConfigError
 from meshlm.train.corpus import Corpus
 from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, eot_id, load_tokenizer,
@@ -76,12 +77,15 @@ def build(plan: BuildPlan, log: Callable[[str], None]) -> None:
             shutil.rmtree(building, ignore_errors=True)
             raise
         building.chmod(0o755)  # a cache may be shared between users
+        if plan.cache_dir.exists():  # a cache whose meta.json is torn: unreadable to all, replaced
+            shutil.rmtree(plan.cache_dir)
         os.rename(building, plan.cache_dir)
+        fsync_directory(plan.cache_dir.parent)
 
 
 def _build_in(building: Path, plan: BuildPlan, log: Callable[[str], None]) -> None:
     recipe = {**plan.key_fields, "chunk_bytes": plan.chunk_bytes, "shard_chunks": plan.shard_chunks}
-    if building.is_dir() and _read_json(building / "build.json") != recipe:
+    if building.is_dir() and read_json(building / "build.json") != recipe:
         shutil.rmtree(building)
     building.mkdir(parents=True, exist_ok=True)
     write_json_atomically(building / "build.json", recipe)
@@ -132,15 +136,6 @@ def _build_in(building: Path, plan: BuildPlan, log: Callable[[str], None]) -> No
         f"encoded in {encoded_s:.1f} s on {pool.workers} worker(s)")
 
 
-def _read_json(path: Path) -> dict | None:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _progress(corpus: Corpus, done_bytes: int):
     """A bar on stderr with MB/s, tokens and ETA; silent when stderr is not a terminal."""
     from tqdm import tqdm
@@ -158,7 +153,7 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
     if plan.pretrained is not None:
         if not path.is_file():  # the file itself, byte for byte: checkpoints and exports carry it exactly
             shutil.copyfile(plan.pretrained.path, building / ".tokenizer.json.tmp")
-            os.replace(building / ".tokenizer.json.tmp", path)
+            replace_durably(building / ".tokenizer.json.tmp", path)
         # which of its tokens separates documents (tokenizer.run_end_token), for checkpoints and exports
         (building / TOKENIZER_CONFIG).write_text(json.dumps({"eos_token": plan.pretrained.end_token}) + "\n")
         log(f"data: encoding {plan.corpus.label} with {plan.pretrained.path} on {plan.workers} worker(s) ...")
@@ -175,7 +170,7 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
         f"{plan.corpus.label} ...")
     tokenizer = train_tokenizer(sample, plan.vocab_size)
     tokenizer.save(str(building / ".tokenizer.json.tmp"))
-    os.replace(building / ".tokenizer.json.tmp", path)
+    replace_durably(building / ".tokenizer.json.tmp", path)  # resumed shards are read with it
     log(f"data: tokenizer trained in {time.perf_counter() - start:.1f} s")
     return tokenizer, eot_id(tokenizer)
 

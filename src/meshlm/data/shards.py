@@ -32,9 +32,40 @@ SPLITS = ("train", "val")
 
 
 def write_json_atomically(path: Path, value: dict) -> None:
+    """`path` holds `value` whole, or the old content, after a crash or power loss at any point:
+    the temporary file's data is on disk before its rename, and the rename before we return. A
+    rename alone can reach the disk before the data (ext4, XFS): the name would then hold an
+    empty or partial file, read back as an unparsable marker."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
+    replace_durably(tmp, path)
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """os.replace(tmp, path) with tmp's data on disk first and the rename on disk after."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the renames in `directory` durable (its entries are data of the directory itself)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None when it is missing, unreadable or torn (not whole JSON:
+    a crash of an older writer, a disk error). None means "not written": the caller rebuilds."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class ShardWriter:
@@ -54,8 +85,9 @@ class ShardWriter:
         """Keep the complete shards 0..k-1 (k returned) and delete everything after them."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.done = []
-        while (marker := self.directory / f"{len(self.done):05d}.json").is_file():
-            self.done.append(json.loads(marker.read_text()))
+        # A marker that does not parse is an incomplete shard: it and everything after are redone.
+        while (summary := read_json(self.directory / f"{len(self.done):05d}.json")) is not None:
+            self.done.append(summary)
         for path in self.directory.iterdir():
             if path.name[:5].isdigit() and int(path.name[:5]) >= len(self.done):
                 path.unlink()
@@ -144,6 +176,8 @@ class ShardWriter:
                 offsets = end + np.cumsum(lengths, dtype=np.int64)
                 f.write(offsets.tobytes())
                 end = int(offsets[-1]) if len(offsets) else end
+            f.flush()
+            os.fsync(f.fileno())  # on disk before meta.json says the cache is complete
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
