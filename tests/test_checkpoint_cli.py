@@ -237,6 +237,29 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_step
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "checkpoint.interval" in proc.stderr
 
 
+def test_resuming_onto_other_data_is_one_line_exit_2_naming_the_key(corpus, tmp_path, capsys, four_steps):
+    """The checkpoint's loader position belongs to its token cache: another corpus, or the same one
+    prepared differently, is refused before any rank starts (it resumed silently)."""
+    run_dir = copy_of(four_steps, tmp_path / "run")
+    other = tmp_path / "other"
+    other.mkdir()
+    text = (corpus / "topics.txt").read_text()
+    (other / "topics.txt").write_text(text[len(text) // 2:])
+    from meshlm.cli import main
+
+    for override, fragments in ((f"data.path={other / 'topics.txt'}", ("was trained on 1 x topics.txt-v512-",
+                                                                       "checkpoint.resume=never")),
+                                ("data.val_fraction=0.02", ())):
+        capsys.readouterr()
+        assert main(train_args(corpus, run_dir, override, steps=6)) == 2
+        err = capsys.readouterr().err  # the preparation's progress lines, then the error: after the
+        last = err.strip().splitlines()[-1]  # data is prepared (its cache key), before any rank starts
+        assert last.startswith("meshlm: error: data.path: checkpoint ") and "Traceback" not in err, err
+        assert all(fragment in last for fragment in fragments), last
+    proc = meshlm_in_process(*train_args(corpus, run_dir, steps=6))  # the same data resumes
+    assert "resuming from" in proc.stdout and [r["step"] for r in read_metrics(run_dir)][-1] == 6
+
+
 def test_an_explicit_older_checkpoint_is_the_one_resumed(corpus, tmp_path, four_steps, straight, monkeypatch):
     """checkpoint.resume=<a checkpoint> (here relative to the working directory) continues from
     exactly that one, though a newer one lies beside it, and fails if a file of it is damaged."""

@@ -321,7 +321,8 @@ def test_state_dict_resumes_exactly():
     for step in range(5):
         run.microbatches(step, 0, 2, 1)
     state = run.state_dict()
-    assert state == {"consumed_samples": 20, "seed": 9, "seq_len": 8, "global_batch_size": 4}
+    assert state == {"consumed_samples": 20, "seed": 9, "seq_len": 8, "global_batch_size": 4,
+                     "sources": [[1.0, None]]}
     resumed = TokenLoader(tokens, 8, 4, seed=9)
     resumed.load_state_dict(state)
     assert resumed.next_step == 5 and resumed.consumed_samples(5) == 20

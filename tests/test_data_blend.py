@@ -75,6 +75,30 @@ def test_sampler_maps_each_corpus_onto_its_own_sample_numbers_once():
         assert sorted(local[corpus == c].tolist()) == list(range(int((corpus == c).sum())))
 
 
+def test_a_loader_state_loads_only_into_the_same_data():
+    """A state saved over one blend (or corpus) loaded into another without complaint: the
+    checkpoint's position was then replayed over other windows."""
+    a, b = np.arange(5000, dtype=np.uint16), np.arange(5000, 9000, dtype=np.uint16)
+    old = BlendLoader([(0.9, a), (0.1, b)], 8, 16, seed=0)
+    old.global_batch(9)
+    state = old.state_dict()
+    with pytest.raises(ValueError, match="saved over 0.9 x a corpus \\+ 0.1 x a corpus, this run reads 0.1"):
+        BlendLoader([(0.1, a), (0.9, b)], 8, 16, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="this run reads 1 x a corpus"):
+        TokenLoader(np.arange(3000, dtype=np.uint16), 8, 16, 0).load_state_dict(state)
+    named = TokenLoader(a, 8, 16, 0)
+    named.sources = [[1.0, "web-v512-0123456789abcdef"]]
+    other = TokenLoader(a, 8, 16, 0)
+    other.sources = [[1.0, "web-v512-fedcba9876543210"]]  # the same corpus, its content or tokenizer changed
+    with pytest.raises(ValueError, match="web-v512-0123456789abcdef"):
+        other.load_state_dict(named.state_dict())
+    same = BlendLoader([(0.9, a), (0.1, b)], 8, 16, seed=0)
+    same.load_state_dict(state)
+    assert same.next_step == 10
+    older = {k: v for k, v in named.state_dict().items() if k != "sources"}  # a checkpoint from before
+    other.load_state_dict(older)
+
+
 def test_blend_config_errors_name_the_key(tmp_path):
     (tmp_path / "a.txt").write_text("text\n")
     good = [[0.7, str(tmp_path / "a.txt")], [0.3, str(tmp_path / "a.txt")]]

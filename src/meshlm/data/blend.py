@@ -116,8 +116,17 @@ class BlendSampler:
 def make_loader(data, seq_len: int, global_batch_size: int, seed: int):
     """The training loader of a PreparedData: a TokenLoader, or a BlendLoader for a blend."""
     if not data.parts:
-        return TokenLoader(data.train_tokens(), seq_len, global_batch_size, seed)
-    return BlendLoader([(w, p.train_tokens()) for w, p in data.parts], seq_len, global_batch_size, seed)
+        loader = TokenLoader(data.train_tokens(), seq_len, global_batch_size, seed)
+    else:
+        loader = BlendLoader([(w, p.train_tokens()) for w, p in data.parts], seq_len, global_batch_size, seed)
+    loader.sources = data_sources(data)
+    return loader
+
+
+def data_sources(data) -> list[list]:
+    """[weight, token cache directory name] per corpus: the name ends in the cache key, which hashes
+    the corpus content, tokenizer, vocabulary, val_fraction and format (a loader's `sources`)."""
+    return [[float(w), p.cache_dir.name] for w, p in (data.parts or ((1.0, data),))]
 
 
 def eval_sets(data, seq_len: int, *, windows: int, batch_size: int) -> dict:
@@ -142,6 +151,7 @@ class BlendLoader(TokenLoader):
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.n_windows = sum(loader.n_windows for loader in self.corpora)
         self.next_step = 0
+        self.sources = [[w, None] for w, _ in parts]  # TokenLoader.sources
 
     def _samples(self, first: int, count: int):
         corpus, local = self.sampler.assign(np.arange(first, first + count))

@@ -58,14 +58,15 @@ def cmd_train(args) -> int:
 
 
 def _train_locked(args, cfg, run_dir: Path, world_size: int) -> int:
-    from meshlm.train.checkpoint.resume import precheck
+    from meshlm.train.checkpoint.resume import check_same_data, precheck
     from meshlm.train.data import prepare_data
 
     # Before any rank starts: a requested checkpoint must be one, and fit this model (exit 2).
     resume_from = precheck(cfg, warn=lambda msg: print(msg, file=sys.stderr))
     (run_dir / "config.toml").write_text(to_toml(cfg))
     # Data is prepared once here, before ranks start, so N ranks never race to build the cache.
-    prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
+    data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda msg: print(msg, file=sys.stderr))
+    check_same_data(resume_from, data, cfg)  # the checkpoint's loader position is over this data (exit 2)
     print(f"meshlm: {cfg.model.preset} model ({cfg.model.dim}d x {cfg.model.n_layers}L), "
           f"{world_size} rank(s) dp={cfg.parallel.dp}, {cfg.train.steps} steps of "
           f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens, run dir {run_dir}"

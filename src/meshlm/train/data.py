@@ -195,6 +195,9 @@ class TokenLoader:
         self.n_windows = _count_windows(tokens, seq_len, "training")
         self.next_step = 0  # one past the last step handed out; saved as consumed_samples
         self._permutations: dict[int, np.ndarray] = {}  # the current epoch (and the next, at a boundary)
+        # What the windows are cut from: [weight, token cache directory name (its key) or None], one
+        # per corpus; make_loader names the caches. Saved, so a resume onto other data is refused.
+        self.sources: list[list] = [[1.0, None]]
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._permutations:
@@ -253,7 +256,7 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples(self.next_step), "seed": self.seed,
-                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size}
+                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size, "sources": self.sources}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after the last step handed out before the save: `next_step` is the step to run next."""
@@ -261,11 +264,24 @@ class TokenLoader:
             if state[name] != getattr(self, name):
                 raise ValueError(f"data loader state was saved with {name}={state[name]}, this run has "
                                  f"{getattr(self, name)}; resuming would not replay the same batches")
+        if "sources" in state and not same_sources(state["sources"], self.sources):  # absent: an older checkpoint
+            raise ValueError(f"data loader state was saved over {describe_sources(state['sources'])}, this run "
+                             f"reads {describe_sources(self.sources)}; resuming would not replay the same batches")
         consumed = state["consumed_samples"]
         if consumed < 0 or consumed % self.global_batch_size:
             raise ValueError(f"consumed_samples={consumed} is not a whole number of global batches "
                              f"of {self.global_batch_size}")
         self.next_step = consumed // self.global_batch_size
+
+
+def same_sources(saved: list, ours: list) -> bool:
+    """The same corpora (token caches, where both name them) with the same weights, in order."""
+    return len(saved) == len(ours) and all(
+        abs(w1 - w2) <= 1e-9 and (n1 is None or n2 is None or n1 == n2) for (w1, n1), (w2, n2) in zip(saved, ours))
+
+
+def describe_sources(sources: list) -> str:
+    return " + ".join(f"{w:.4g} x {name or 'a corpus'}" for w, name in sources)
 
 
 def eval_batches(val_tokens: np.ndarray, seq_len: int, *, windows: int, batch_size: int) -> list[Batch]:

@@ -112,6 +112,27 @@ def precheck(cfg: Config, warn=print) -> Path | None:
     return None
 
 
+def check_same_data(path: Path | None, data, cfg: Config) -> None:
+    """ConfigError (one line) if checkpoint `path` was trained on other data than `data` (this
+    run's PreparedData): another corpus or blend, other weights, or a cache key that changed (the
+    corpus content, tokenizer, vocabulary or data.val_fraction). Its loader position would be
+    replayed over other windows: not a resume. The launcher calls it once the cache is prepared,
+    before any rank starts; a checkpoint from before the loader recorded its data is not checked."""
+    from meshlm.data.blend import data_sources
+    from meshlm.train.data import describe_sources, same_sources
+
+    if path is None:
+        return
+    saved = CheckpointReader(path).meta["data"].get("sources")
+    ours = data_sources(data)
+    if saved is not None and not same_sources(saved, ours):
+        key = "data.blend" if cfg.data.blend is not None else "data.path"
+        raise ConfigError(f"{key}: checkpoint {path} was trained on {describe_sources(saved)}, this run reads "
+                          f"{describe_sources(ours)} (another corpus or blend, or its content, tokenizer, vocabulary "
+                          f"or data.val_fraction changed); resuming would not replay the same batches: use the "
+                          f"same data, or checkpoint.resume=never")
+
+
 def _small_files_problem(path: Path) -> str | None:
     """A manifest, and a meta.json that matches it: what the launcher reads (no tensor is hashed)."""
     try:
