@@ -166,8 +166,9 @@ def _encode_texts(texts: list[str], dtype: np.dtype, split_pieces: bool) -> list
     tokenizer = _WORKER["tokenizer"]
     encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: ~2x faster
     # Tokenizers that are not GPT-2-like encode a document whole, unless it is over
-    # _LONG_DOCUMENT_CHARS: then it too is cut at line starts, for bounded memory (such a cut
-    # can change the ids next to it slightly; docs/data.md).
+    # _LONG_DOCUMENT_CHARS: then it too is cut, for bounded memory, at split_for_encoding's points
+    # (before a space, or at a line start; forced after 8 pieces without one), which for another
+    # tokenizer can change the ids next to the cut slightly (docs/data.md).
     pieces = [split_for_encoding(t) if split_pieces else split_for_encoding(t, _LONG_DOCUMENT_CHARS) for t in texts]
     flat = [piece for doc in pieces for piece in doc]
     arrays: list[np.ndarray] = []
