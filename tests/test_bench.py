@@ -47,6 +47,19 @@ def test_bench_pp_json(capsys, monkeypatch, tmp_path):
     assert len(tuned()) == 2
 
 
+def test_bench_pp_weighs_memory_on_a_warm_step_whatever_the_warmup(capsys):
+    """--warmup 1 once measured the first step, before AdamW's state existed: both sides low."""
+    from meshlm.bench.pp import main
+
+    peaks = {}
+    for warmup in ("1", "2"):
+        assert main(["--json", "--preset", "debug", "--schedule", "1f1b", "--seq-len", "16", "--batch", "4",
+                     "--microbatches", "2", "--pairs", "1", "--warmup", warmup]) == 0
+        row, = json.loads(capsys.readouterr().out)["rows"]
+        peaks[warmup] = row["meshlm_peak_bytes"], row["reference_peak_bytes"]
+    assert peaks["1"] == peaks["2"]
+
+
 def test_ratio_quartiles_stay_within_the_pairs_measured():
     from meshlm.bench.report import bench_row
 

@@ -145,11 +145,15 @@ def _bench_rank(a: dict) -> list[dict]:
         times = {k: [] for k in sides}
         losses = {k: [] for k in sides}
         peaks = {}
-        for i in range(a["warmup"] + a["pairs"]):
+        # Memory once, on the last untimed step, and never on a side's first: that step creates
+        # AdamW's state and the runtime's buffers, so it would weigh ~2 x params too little. With
+        # --warmup 1 this adds one untimed step (step 0 warms, step 1 measures).
+        untimed = max(a["warmup"], 2)
+        for i in range(untimed + a["pairs"]):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # alternate who goes first
             for name in order:
                 step, module, optimizer, runtime = sides[name]
-                if i == a["warmup"] - 1:  # memory once, warm: optimizer state and runtime buffers exist
+                if i == untimed - 1:  # warm: optimizer state and runtime buffers exist
                     state = [*module.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                                      if isinstance(t, torch.Tensor)), *_tensors_in(runtime)]
                     peaks[name] = measure_peak_bytes(lambda: losses[name].append(step(i)), state, device)
@@ -164,7 +168,7 @@ def _bench_rank(a: dict) -> list[dict]:
                 # On the run's device: NCCL reduces only device tensors.
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                if i >= a["warmup"]:
+                if i >= untimed:
                     times[name].append(elapsed.item())
         # Same weights, same batches, same schedule: the two must compute the same losses.
         diff = max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"]))
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="rows per step (all micro-batches)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps per side; memory is measured on the last, at the earliest the second")
     parser.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false",
                         help="meshlm without deferred weight gradients (parallel.pp_defer_wgrad=false)")
     try:
