@@ -495,3 +495,39 @@ def test_bench_reference_on_transformers_llama_trains_the_same_model(zero, capsy
     assert main(["--zero", "0", "--steps", "1", "--warmup", "0", "--dim", "32", "--layers", "2", "--heads", "2",
                  "--ffn", "64", "--vocab", "300", "--seq", "16", "--batch", "2", "--reference-model", "transformers"]) == 0
     assert "torch DDP + HF Llama" in capsys.readouterr().out
+
+
+def _bench_optimizers_rank():
+    from meshlm.bench import dp as bench
+    from meshlm.parallel.mixed_precision import decays
+
+    class Opts:
+        dim, layers, heads, ffn, vocab, seq, batch = 32, 2, 2, 64, 300, 16, 2
+
+    cfg, comm = bench.model_config(Opts), comm_here()
+    flags, groups = {}, {}
+    for zero in (0, 3):
+        for kind in ("meshlm", "reference", "compute"):
+            engine = bench.Engine(kind, zero, cfg, comm, torch.device("cpu"))
+            optimizer = engine.dp.optim.optimizer if kind == "meshlm" else engine.optimizer
+            flags[zero, kind] = {k: optimizer.defaults[k] for k in ("foreach", "fused")}
+            if kind != "meshlm":  # meshlm's groups hold flat master segments: decays() decided them
+                groups[zero, kind] = [(g["weight_decay"], all(decays(p) == (g["weight_decay"] > 0) for p in g["params"]))
+                                      for g in optimizer.param_groups]
+    return flags, groups
+
+
+def test_bench_dp_gives_its_reference_and_compute_only_steps_meshlms_adamw(monkeypatch):
+    """On CUDA meshlm's engines step a fused AdamW (adamw_implementation); the reference and the
+    compute-only step once had train/optim.py's per-tensor one, a slower optimizer than meshlm's.
+    The chooser is made to answer its CUDA flags on this CPU (fused AdamW runs on CPU too)."""
+    from meshlm.parallel import mixed_precision
+
+    cuda_flags = mixed_precision.adamw_implementation(True)
+    assert cuda_flags["fused"] is True
+    monkeypatch.setattr(mixed_precision, "adamw_implementation", lambda on_cuda: dict(cuda_flags))
+    flags, groups = run_ranks(_bench_optimizers_rank, 1, timeout=60)[0]
+    for (zero, kind), got in flags.items():
+        assert got == cuda_flags, (zero, kind)
+    for key, got in groups.items():
+        assert got == [(TrainConfig().weight_decay, True), (0.0, True)], key

@@ -60,6 +60,21 @@ def build_model(cfg, device):
     return model.to(device)
 
 
+def reference_optimizer(model, train, device) -> torch.optim.AdamW:
+    """AdamW for the engines that are not meshlm's (torch's DDP / fully_shard and the compute-only
+    step): meshlm's decay groups and the implementation meshlm's engines pick on `device`
+    (SegmentAdamW), fused on CUDA. train/optim.py's per-tensor AdamW there would charge the
+    reference and the compute-only time a slower optimizer than meshlm's, flattering meshlm's
+    ratio and skewing the exposed-communication share."""
+    from meshlm.parallel.mixed_precision import adamw_implementation, decays
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": train.weight_decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                             **adamw_implementation(torch.device(device).type == "cuda"))
+
+
 class Engine:
     """One data-parallel setup (bench/timing.py's engine): kind 'meshlm' (meshlm's engine for
     `zero`), 'reference' (torch DDP for zero 0/1, fully_shard for 2/3) or 'compute' (the model
@@ -70,7 +85,6 @@ class Engine:
         import copy
 
         from meshlm.config import TrainConfig
-        from meshlm.train.optim import build_optimizer
 
         self.kind = kind
         cfg = copy.deepcopy(cfg)
@@ -96,7 +110,7 @@ class Engine:
                 model = transformers_twin(model, device)
             self._wrap_reference(model, zero, bucket_mb, capture_buckets)
         self.model = model
-        self.optimizer = build_optimizer(model, train) if self.dp is None else None
+        self.optimizer = reference_optimizer(model, train, device) if self.dp is None else None
 
     def _wrap_reference(self, model, zero: int, bucket_mb: float, capture_buckets: bool) -> None:
         """torch DDP (zero 0/1) or fully_shard per block, then the root (zero 2/3), around `model`."""
