@@ -41,6 +41,7 @@ def test_bench_pp_json(capsys, monkeypatch, tmp_path):
     report = json.loads(capsys.readouterr().out)
     check_rows(report, ["pp2-1f1b"])
     assert report["rows"][0]["loss_max_abs_diff"] == 0  # same stages, same schedule: same losses
+    assert report["rows"][0]["loss_check_passed"] is True
     q1, q3 = report["rows"][0]["tokens_per_s_ratio_quartiles"]
     assert 0 < q1 <= q3
     assert "cpu_steal_fraction" in report and "load_average" in report
@@ -58,6 +59,45 @@ def test_bench_pp_weighs_memory_on_a_warm_step_whatever_the_warmup(capsys):
         row, = json.loads(capsys.readouterr().out)["rows"]
         peaks[warmup] = row["meshlm_peak_bytes"], row["reference_peak_bytes"]
     assert peaks["1"] == peaks["2"]
+
+
+def test_bench_pp_fails_its_loss_check_on_nan_losses(capsys, monkeypatch):
+    from meshlm.bench.pp import main
+    from meshlm.model import loss as loss_module
+
+    real = loss_module.token_loss_sum
+    monkeypatch.setattr(loss_module, "token_loss_sum", lambda *a, **k: real(*a, **k) * float("nan"))
+    assert main(["--json", "--preset", "debug", "--schedule", "1f1b", "--seq-len", "16", "--batch", "4",
+                 "--microbatches", "2", "--pairs", "1", "--warmup", "1"]) == 0
+    row, = json.loads(capsys.readouterr().out)["rows"]
+    assert row["loss_check_passed"] is False and row["loss_max_abs_diff"] is None
+
+
+def test_bench_cp_fails_its_loss_check_when_the_reference_loss_is_nan(capsys, monkeypatch):
+    """max(meshlm_vs_single, nan) once kept the first and passed the check."""
+    from meshlm.bench import cp
+
+    real = cp._summary
+
+    def nan_reference(losses, truth):
+        check = real(losses, truth)
+        return {**check, "reference_loss": float("nan"), "loss_max_abs_diff": float("nan")}
+
+    monkeypatch.setattr(cp, "_summary", nan_reference)
+    assert cp.main(["--json", "--preset", "debug", "--seq", "64", "--steps", "1", "--warmup", "1", "--cpu-shim"]) == 0
+    row, = json.loads(capsys.readouterr().out)["rows"]
+    assert row["meshlm_vs_single_max_abs_diff"] <= cp.LOSS_TOLERANCE and row["loss_check_passed"] is False
+
+
+def test_loss_check_needs_every_value_finite():
+    from meshlm.bench.report import loss_check_passed
+
+    nan, inf = float("nan"), float("inf")
+    assert loss_check_passed({"loss": 2.0, "d": 1e-5}, ("d",), 1e-4)
+    assert not loss_check_passed({"loss": 2.0, "d": 1e-3}, ("d",), 1e-4)
+    for bad in (nan, inf, None):
+        assert not loss_check_passed({"loss": bad, "d": 0.0}, ("d",), 1e-4)
+        assert not loss_check_passed({"loss": 2.0, "d": bad}, ("d",), 1e-4)
 
 
 def test_ratio_quartiles_stay_within_the_pairs_measured():

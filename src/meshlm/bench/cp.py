@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, emit, prepare_cpu_rank, run_on_ranks
+from meshlm.bench.report import bench_row, emit, loss_check_passed, prepare_cpu_rank, run_on_ranks
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
 from meshlm.train.memtrack import measure_peak_bytes
 
@@ -215,7 +215,6 @@ def _measure(a, ctx, comm, mesh, shim: bool) -> list[dict]:
     name, reference = f"cp{ctx.world_size}", f"torch context_parallel ({a.rotate})"
     if shim:
         name, reference = name + "-cpu-shim", f"torch CP ring, CPU shim ({a.rotate})"
-    worst = max(check["meshlm_vs_single_max_abs_diff"], check.get("loss_max_abs_diff", 0.0))
     if unavailable is None:
         row = bench_row(name, ctx.world_size, reference, mine, [tokens_per_step / t for t in times["torch"]],
                         peaks["meshlm"], peaks["torch"], **extra)
@@ -229,7 +228,8 @@ def _measure(a, ctx, comm, mesh, shim: bool) -> list[dict]:
                "reference_peak_bytes": None, "memory_ratio": None, "pairs": 0, "meshlm_steps": len(mine),
                "reference_unavailable": f"torch context_parallel on {ctx.device.type}/{ctx.backend}: {unavailable}",
                **extra}
-    row["loss_check_passed"] = worst <= LOSS_TOLERANCE
+    row["loss_check_passed"] = loss_check_passed(check, ("meshlm_vs_single_max_abs_diff", "loss_max_abs_diff"),
+                                                 LOSS_TOLERANCE)
     return [row]
 
 

@@ -16,6 +16,7 @@ allocator's peak less what was resident before plus this side's own state.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -24,10 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import bench_row, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import bench_row, loss_check_passed, prepare_cpu_rank, run_and_emit
 from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+# Per step, fp32: the same stages and schedule give the same losses (0 in every recorded run); a
+# different reduction order of the accumulated gradients could move later steps' by rounding.
+LOSS_TOLERANCE = 1e-4
 
 
 class ChunkModule(nn.Module):
@@ -170,17 +174,23 @@ def _bench_rank(a: dict) -> list[dict]:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 if i >= untimed:
                     times[name].append(elapsed.item())
-        # Same weights, same batches, same schedule: the two must compute the same losses.
-        diff = max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"]))
-        peak = torch.tensor([float(peaks["meshlm"]), float(peaks["torch"]), diff], dtype=torch.float64, device=device)
+        # Same weights, same batches, same schedule: the two must compute the same losses. A
+        # non-finite loss on any rank is flagged apart: NaN does not survive max() or a MAX reduction.
+        finite = all(math.isfinite(x) for x in losses["meshlm"] + losses["torch"])
+        diff = max(abs(x - y) for x, y in zip(losses["meshlm"], losses["torch"])) if finite else 0.0
+        peak = torch.tensor([float(peaks["meshlm"]), float(peaks["torch"]), diff, float(not finite)],
+                            dtype=torch.float64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        loss_diff = None if peak[3].item() else peak[2].item()  # null: some loss was NaN or infinite
         tokens_per_step = a["batch"] * a["seq_len"]
         rows.append(bench_row(
             f"pp{pp}-{kind}" + (f"-v{v}" if v > 1 else ""), pp, f"torch pipelining {type(schedule).__name__}",
             [tokens_per_step / t for t in times["meshlm"]], [tokens_per_step / t for t in times["torch"]],
             int(peak[0]), int(peak[1]), schedule=kind, microbatches=m, virtual=v, preset=a["preset"],
-            seq_len=a["seq_len"], batch=a["batch"], loss_max_abs_diff=peak[2].item(), device=device.type,
-            backend=ctx.backend))
+            seq_len=a["seq_len"], batch=a["batch"], loss_max_abs_diff=loss_diff, loss_tolerance=LOSS_TOLERANCE,
+            loss_check_passed=loss_check_passed({"loss_max_abs_diff": loss_diff}, ("loss_max_abs_diff",),
+                                                LOSS_TOLERANCE),
+            device=device.type, backend=ctx.backend))
         del sides, schedule, stages
     return rows
 

@@ -9,6 +9,7 @@ meshlm.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from typing import Any, Callable
@@ -35,6 +36,15 @@ def bench_row(name: str, world_size: int, reference: str, meshlm_tokens_per_s: l
         "memory_ratio": meshlm_peak_bytes / reference_peak_bytes if reference_peak_bytes else None,
         "pairs": len(ratios), **extra,
     }
+
+
+def loss_check_passed(values: dict[str, float | None], diff_keys: tuple[str, ...], tolerance: float) -> bool:
+    """A bench's loss check: every value (losses and differences) a finite number, and each
+    difference in `diff_keys` within `tolerance`. Explicit, because NaN compares false with
+    everything: `max(d, nan)` returns d and `nan > tol` is false, so a NaN side would pass."""
+    if any(v is None or not math.isfinite(v) for v in values.values()):
+        return False
+    return all(values[k] <= tolerance for k in diff_keys if k in values)
 
 
 def _quartiles(values: list[float]) -> list[float]:
