@@ -107,13 +107,40 @@ def test_ratio_quartiles_stay_within_the_pairs_measured():
     assert row["tokens_per_s_ratio"] == 1.5 and row["tokens_per_s_ratio_quartiles"] == [1.25, 1.75]
 
 
-@pytest.mark.parametrize("name,args", [("tp", ["--nproc", "1"]), ("pp", ["--batch", "3"]), ("cp", ["--nproc", "1"])])
-def test_bad_bench_arguments_are_one_line_on_stderr_and_nothing_on_stdout(capsys, name, args):
+@pytest.mark.parametrize("name,args,option", [
+    ("tp", ["--nproc", "1"], "--nproc"), ("pp", ["--batch", "3"], "--batch"), ("cp", ["--nproc", "1"], "--nproc"),
+    # once tracebacks (exit 1): an empty or negative batch, a negative warm-up, a negative global batch
+    ("tp", ["--batch", "0"], "--batch"), ("tp", ["--batch", "-1"], "--batch"),
+    ("tp", ["--warmup", "-1"], "--warmup"), ("pp", ["--warmup", "-1"], "--warmup"),
+    ("cp", ["--warmup", "-1"], "--warmup"),
+    ("dp", ["--zero", "3", "--steps", "1", "--warmup", "-5"], "--warmup"),
+    ("scaling", ["--mode", "strong", "--global-batch", "-4", "--nproc", "1,2", "--engines", "ddp", "--steps", "1"],
+     "--global-batch"),
+    # 0 was once silently replaced by the default
+    ("scaling", ["--mode", "strong", "--global-batch", "0", "--nproc", "1,2", "--engines", "ddp", "--steps", "1"],
+     "--global-batch"),
+    ("dp", ["--zero", "x"], "--zero"),  # argparse's own errors are one line too (no usage text)
+])
+def test_bad_bench_arguments_are_one_line_on_stderr_and_nothing_on_stdout(capsys, name, args, option):
     from meshlm.cli import main
 
     assert main(["bench", name, *args, "--json"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"meshlm bench {name}: error: ") and err.count("\n") == 1
+    assert out == "" and err.startswith(f"meshlm bench {name}: error: {option}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name,args", [
+    ("tp", ["--preset", "debug", "--seq-len", "16", "--batch", "2", "--pairs", "1", "--sp", "off"]),
+    ("pp", ["--preset", "debug", "--schedule", "1f1b", "--seq-len", "16", "--batch", "4", "--microbatches", "2",
+            "--pairs", "1"]),
+    ("cp", ["--preset", "debug", "--seq", "64", "--steps", "1", "--cpu-shim"]),
+])
+def test_every_bench_takes_warmup_0_as_bench_dp_does(capsys, name, args):
+    from meshlm.cli import main
+
+    assert main(["bench", name, *args, "--warmup", "0", "--json"]) == 0
+    for row in json.loads(capsys.readouterr().out)["rows"]:
+        assert row["meshlm_peak_bytes"] > 0 and row["reference_peak_bytes"] > 0
 
 
 @pytest.mark.parametrize("name,flag,args", [

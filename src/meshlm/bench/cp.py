@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, emit, loss_check_passed, prepare_cpu_rank, run_on_ranks
+from meshlm.bench.report import (BenchArgumentParser, below_minimum, bench_row, emit, loss_check_passed,
+                                 prepare_cpu_rank, run_on_ranks)
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
 from meshlm.train.memtrack import measure_peak_bytes
 
@@ -269,6 +270,9 @@ def _time(sides: dict, inputs, targets, warmup: int, steps: int, device) -> tupl
     per-rank peak bytes of one warm, untimed step (max over ranks)."""
     times = {kind: [] for kind in sides}
     peaks = {}
+    # Memory on the last untimed step; with --warmup 0 one is added (the loss check's step before
+    # it already created each side's optimizer state).
+    warmup = max(warmup, 1)
     for i in range(warmup + steps):
         order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # alternate who goes first
         for kind in order:
@@ -336,7 +340,7 @@ def _print(rows: list[dict], as_json: bool, **context) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshlm bench cp", description=__doc__.split("\n")[0])
+    parser = BenchArgumentParser(prog="meshlm bench cp", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="cp ranks to fork when not under torchrun")
     parser.add_argument("--preset", default="tiny")
@@ -349,10 +353,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="on CPU, route the CPU flash kernel through torch CP's own ring (a labelled stand-in)")
     parser.add_argument("--rotate", choices=("allgather", "alltoall"), default="allgather",
                         help="torch CP's KV rotation (set_rotate_method)")
-    args = parser.parse_args(argv)
-    if args.nproc < 2 or args.steps < 1 or args.warmup < 1 or args.batch < 1:
-        print("meshlm bench cp: error: --nproc >= 2, --steps >= 1, --warmup >= 1 and --batch >= 1", file=sys.stderr,
-              flush=True)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    # --warmup 0 is allowed (as by every bench): the loss check's step warms both sides first
+    problem = below_minimum(args, {"nproc": 2, "steps": 1, "warmup": 0, "batch": 1, "seq": 1})
+    if problem:
+        print(f"meshlm bench cp: error: {problem}", file=sys.stderr, flush=True)
         return 2
     from meshlm.config import ConfigError
 

@@ -18,7 +18,6 @@ forks `--nproc` ranks on gloo.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -26,7 +25,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import bench_row, parse_args, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import (BenchArgumentParser, bench_row, below_minimum, parse_args, prepare_cpu_rank,
+                                 run_and_emit)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
@@ -223,7 +223,7 @@ def _bench_rank(opts) -> list[dict]:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="meshlm bench dp", description=__doc__.splitlines()[0])
+    p = BenchArgumentParser(prog="meshlm bench dp", description=__doc__.splitlines()[0])
     p.add_argument("--zero", default="0,1,2,3", help="comma-separated stages (0 = DDP)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to fork (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=6, help="timed pairs per stage")
@@ -247,9 +247,11 @@ def _parse(argv):
         p.error(f"--zero: expected a comma-separated list of 0..3, got {opts.zero!r}")
     if not opts.zero or any(z not in (0, 1, 2, 3) for z in opts.zero):
         p.error(f"--zero: stages are 0, 1, 2, 3, got {opts.zero}")
-    for key in ("nproc", "steps", "dim", "layers", "heads", "ffn", "vocab", "seq", "batch"):
-        if getattr(opts, key) < 1:
-            p.error(f"--{key}: must be >= 1")
+    # --warmup 0 is allowed (as by every bench): peak memory is weighed on a fresh engine's warm step anyway
+    problem = below_minimum(opts, {**dict.fromkeys(("nproc", "steps", "dim", "layers", "heads", "ffn", "vocab", "seq",
+                                                     "batch"), 1), "warmup": 0})
+    if problem:
+        p.error(problem)
     if opts.dim % opts.heads or (opts.dim // opts.heads) % 2 or opts.vocab < 260:
         p.error("--dim must split into --heads heads of even size, and --vocab must be >= 260")
     return opts

@@ -15,7 +15,6 @@ allocator's peak less what was resident before plus this side's own state.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -25,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import bench_row, loss_check_passed, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import (BenchArgumentParser, bench_row, below_minimum, loss_check_passed, prepare_cpu_rank,
+                                 run_and_emit)
 from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
@@ -196,7 +196,7 @@ def _bench_rank(a: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
+    parser = BenchArgumentParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="pipeline ranks to fork when not under torchrun")
     parser.add_argument("--schedule", choices=("all", *VIRTUAL), default="all")
@@ -213,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    if args.nproc < 2 or args.pairs < 1 or args.warmup < 1 or args.microbatches < 1 or args.batch % args.microbatches:
-        print("meshlm bench pp: error: need --nproc >= 2, --pairs >= 1, --warmup >= 1 and --batch divisible "
-              "by --microbatches", file=sys.stderr, flush=True)
+    # --warmup 0 is allowed (as by every bench): memory is weighed on the second step at the earliest
+    problem = below_minimum(args, {"nproc": 2, "pairs": 1, "warmup": 0, "microbatches": 1, "batch": 1, "seq_len": 1})
+    if problem is None and args.batch % args.microbatches:
+        problem = f"--batch: {args.batch} rows do not split into --microbatches {args.microbatches}"
+    if problem:
+        print(f"meshlm bench pp: error: {problem}", file=sys.stderr, flush=True)
         return 2
     from meshlm.config import ConfigError, load_config, resolve
 

@@ -28,7 +28,6 @@ know; the output says so.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -37,8 +36,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from meshlm.bench.dp import reference_label
-from meshlm.bench.report import (bench_row, cpu_times, emit, load_average, parse_args, prepare_cpu_rank,
-                                  steal_fraction, usable_cores)
+from meshlm.bench.report import (BenchArgumentParser, bench_row, below_minimum, cpu_times, emit, load_average,
+                                  parse_args, prepare_cpu_rank, steal_fraction, usable_cores)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 from meshlm.errors import unwritable
 
@@ -227,7 +226,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="meshlm bench scaling", description=__doc__.splitlines()[0])
+    p = BenchArgumentParser(prog="meshlm bench scaling", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", default="1,2,4,8", help="comma-separated world sizes (W=1 is always measured)")
     p.add_argument("--mode", choices=("weak", "strong"), default="weak")
     p.add_argument("--engines", default="ddp,zero3,tp", help="comma-separated: ddp, zero3, tp")
@@ -255,14 +254,20 @@ def _parse(argv):
     if not names or any(n not in ENGINES for n in names):
         p.error(f"--engines: choose from {', '.join(ENGINES)}, got {opts.engines!r}")
     opts.engines = [e for e in ENGINES if e in names]
-    if worlds[0] < 1 or min(opts.steps, opts.warmup + 1, opts.batch, opts.seq) < 1:
-        p.error("--nproc, --steps, --batch and --seq must be >= 1, --warmup >= 0")
+    if worlds[0] < 1:
+        p.error(f"--nproc: world sizes must be >= 1, got {opts.nproc!r}")
+    problem = below_minimum(opts, {"steps": 1, "batch": 1, "seq": 1, "warmup": 0})
+    if problem is None and opts.global_batch is not None:  # 0 would once silently become the default
+        problem = below_minimum(opts, {"global_batch": 1})
+    if problem:
+        p.error(problem)
     problem = unwritable(opts.plot, "--plot")
     if problem:
         p.error(problem)
     opts.added_one = 1 not in worlds
     opts.worlds = sorted({1, *worlds})
-    opts.global_batch = opts.global_batch or opts.batch * opts.worlds[-1]
+    if opts.global_batch is None:
+        opts.global_batch = opts.batch * opts.worlds[-1]
     if opts.mode == "strong":
         bad = [w for w in opts.worlds if opts.global_batch % w]
         if bad:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import BenchArgumentParser, bench_row, below_minimum, prepare_cpu_rank, run_and_emit
 from meshlm.bench.timing import alternate, measured_peak, random_batch
 
 IGNORE_INDEX = -100
@@ -142,7 +142,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshlm bench tp", description=__doc__.split("\n")[0])
+    parser = BenchArgumentParser(prog="meshlm bench tp", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="tp ranks to fork when not under torchrun")
     parser.add_argument("--preset", default="tiny")
@@ -151,9 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sp", choices=("both", "on", "off"), default="both")
-    args = parser.parse_args(argv)
-    if args.nproc < 2 or args.pairs < 1 or args.warmup < 1:
-        print("meshlm bench tp: error: --nproc >= 2, --pairs >= 1 and --warmup >= 1", file=sys.stderr, flush=True)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    # --warmup 0 is allowed (as by every bench): memory is weighed after the timed steps, warm
+    problem = below_minimum(args, {"nproc": 2, "pairs": 1, "warmup": 0, "batch": 1, "seq_len": 1})
+    if problem:
+        print(f"meshlm bench tp: error: {problem}", file=sys.stderr, flush=True)
         return 2
     from meshlm.config import ConfigError, load_config, resolve
 
