@@ -91,3 +91,33 @@ def test_bench_transport_meshlm_times_comm_and_names_its_profile(tmp_path, capsy
     saved = load_profile(profile)
     assert saved.name == "measured-gloo-meshlm-2"
     assert report["shared_memory"] and not saved.background  # its collectives run when waited
+
+
+def _synthetic(sizes, noise=0.1):
+    # all_reduce times off a line by +-noise: a two-point fit would pass through any two of them
+    rows = [{"op": "all_reduce", "bytes": s, "world_size": 2, "count": s // 4,
+             "time_s": (1e-5 + s / 1e9) * (1 + noise * (-1) ** i)} for i, s in enumerate(sizes)]
+    return {"rows": rows, "backend": "gloo", "device": "cpu", "tracing_overhead": None}
+
+
+def test_fit_quality_is_null_unless_three_sizes_above_the_floor_judge_it():
+    """In sample, two sizes fit exactly: the fit's error was 0% whatever the measurements."""
+    from meshlm.comm.bench import analyse, format_table
+
+    two = analyse(_synthetic([4096, 65536, 2**20]))  # one size below the 64 KiB floor
+    assert two["median_rel_err_ge_64KiB"] is None and two["median_rel_err_ge_64KiB_by_op"] == {"all_reduce": None}
+    assert "64 KiB: n/a" in format_table(two)
+    three = analyse(_synthetic([65536, 2**20, 2**22]))
+    assert three["median_rel_err_ge_64KiB"] is not None and three["median_rel_err_ge_64KiB_by_op"]["all_reduce"] > 0
+    # a saved profile is judged out of sample, on any number of sizes
+    from meshlm.comm.cost import HARDWARE
+
+    assert analyse(_synthetic([65536, 2**20]), HARDWARE["cpu-shm"])["median_rel_err_ge_64KiB"] is not None
+
+
+def test_an_empty_size_range_names_max_bytes(capsys):
+    from meshlm.comm.bench import main
+
+    assert main(["--max-bytes", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("meshlm bench comm: error: --max-bytes: ")

@@ -36,6 +36,9 @@ from meshlm.mesh import Layout, ParallelContext, default_backend
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 FIT_CHECK_MIN_BYTES = 64 * 1024  # the fit is judged on messages >= 64 KiB (below, latency noise rules)
+# A fitted (alpha, beta) passes through any two sizes exactly: judged on the sizes it was fitted
+# to, it needs a third before its error says anything (a saved --profile is judged on any).
+FIT_CHECK_MIN_SIZES = 3
 
 
 def parse_size(text: str) -> int:
@@ -178,7 +181,11 @@ def analyse(result: dict, model: Topology | None = None) -> dict:
         r["ideal_ring_time_s"] = op_time(r["op"], S, n, link) if link else None
 
     def median_err(rs):
-        errs = [abs(r["rel_err"]) for r in rs if r["bytes"] >= FIT_CHECK_MIN_BYTES]
+        judged = [r for r in rs if r["bytes"] >= FIT_CHECK_MIN_BYTES]
+        if model is None:  # in sample: only ops with enough sizes above the floor
+            sizes = {op: {q["bytes"] for q in judged if q["op"] == op} for op in fits}
+            judged = [r for r in judged if len(sizes[r["op"]]) >= FIT_CHECK_MIN_SIZES]
+        errs = [abs(r["rel_err"]) for r in judged]
         return statistics.median(errs) if errs else None
 
     return {
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                (["--sizes: no message sizes"] if not sizes else []) + \
                (["--profile and --preset: choose one"] if args.profile and args.preset else []) + \
                [problem for problem in [unwritable(args.save_profile, "--save-profile")] if problem]
+    if not sizes and not args.sizes:  # the range is empty: name the options that made it so
+        problems.insert(0, f"--max-bytes: {args.max_bytes!r} is below --min-bytes {args.min_bytes!r}: no message sizes")
     if problems:
         print(f"meshlm bench comm: error: {problems[0]}", file=sys.stderr)
         return 2
