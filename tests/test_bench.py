@@ -5,7 +5,10 @@ test_ddp.py, `bench scaling` in test_bench_scaling.py."""
 import json
 
 import pytest
+import torch
 from helpers import host_memory_tuning_recorder
+
+from meshlm.testing import run_ranks
 
 DESIGN_FIELDS = {"name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
                  "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio"}
@@ -264,3 +267,34 @@ def test_bench_gpu_refuses_a_transformers_whose_loss_would_shift_twice(capsys, m
     assert gpu.main(["--device", "cpu", "--json"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "takes no shift_labels" in err
+
+
+def _tp_clip_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.bench.timing import random_batch
+    from meshlm.bench.tp import TensorParallelEngine
+    from meshlm.comm import Comm
+    from meshlm.config import load_config, resolve
+    from meshlm.mesh import Layout, ParallelContext
+
+    comm = Comm(ParallelContext(Layout(tp=2)))
+    mesh = init_device_mesh("cpu", (2,))
+    cfg = resolve(load_config(None, ["model.preset=debug", "model.tie_embeddings=false", "train.seq_len=16",
+                                     "parallel.tp=2"]), world_size=2).model
+    batch = random_batch(0, 2, 16, cfg.vocab_size, "cpu")
+    moved = {}
+    for kind in ("meshlm+sp", "dtensor+sp"):
+        after = {}
+        for max_norm in (1e-6, float("inf")):
+            engine = TensorParallelEngine(kind, cfg, comm, mesh, torch.device("cpu"), max_norm=max_norm)
+            engine.step(*batch)
+            after[max_norm] = [getattr(p, "_local_tensor", p).detach().clone() for p in engine.model.parameters()]
+        moved[kind] = max((a - b).abs().max().item() for a, b in zip(after[1e-6], after[float("inf")]))
+    return moved
+
+
+def test_bench_tp_engines_clip_gradients_as_bench_dps_do():
+    """bench scaling measures TP against a one-rank baseline that clips: both TP sides clip too."""
+    for moved in run_ranks(_tp_clip_rank, 2, timeout=120):
+        assert moved["meshlm+sp"] > 1e-6 and moved["dtensor+sp"] > 1e-6, moved

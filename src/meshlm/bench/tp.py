@@ -73,7 +73,7 @@ class TensorParallelEngine:
     """Tensor parallelism over the whole world (bench/timing.py's engine): kind 'meshlm' or
     'dtensor', '+sp' for sequence parallelism, on ModelConfig `cfg`; AdamW on this rank's shards."""
 
-    def __init__(self, kind: str, cfg, comm, mesh, device) -> None:
+    def __init__(self, kind: str, cfg, comm, mesh, device, max_norm: float = 1.0) -> None:
         import contextlib
 
         from meshlm.model import Llama, init_weights
@@ -92,13 +92,33 @@ class TensorParallelEngine:
 
             dtensor_parallelize(model, mesh, sp)
             self.loss_fn, self.loss_ctx = dtensor_loss_sum, loss_parallel
-        self.model = model
+        self.model, self.comm, self.max_norm, self.meshlm = model, comm, max_norm, kind.startswith("meshlm")
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
     def step(self, inputs, targets, tokens) -> None:
         with self.loss_ctx():
             loss = self.loss_fn(self.model(inputs), targets) / tokens
             loss.backward()
+        # Clipped to the global norm, as bench dp's engines (and so bench scaling's one-rank
+        # baseline) are: both sides of a TP point then do the baseline's work.
+        if self.meshlm:  # every distinct gradient element once over the tp ranks
+            from meshlm.parallel.grad_norm import counts_toward_norm, global_grad_norm
+
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in params]
+            squares = sum((p.grad.float().pow(2).sum() for p in params if counts_toward_norm(p, self.comm.ctx)),
+                          torch.zeros((), device=grads[0].device))
+            scale = (self.max_norm / (global_grad_norm(squares, self.comm) + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, scale)
+        else:  # DTensors' norms reduce over the mesh; the plain (replicated) ones count once, as they are
+            from torch.distributed.tensor import DTensor
+
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            squares = sum(g.float().pow(2).sum().full_tensor() if isinstance(g, DTensor) else g.float().pow(2).sum()
+                          for g in grads)
+            scale = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in grads:  # one by one: torch's clip_grad_norm_ refuses a mix of DTensor and plain gradients
+                g.mul_(scale)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
