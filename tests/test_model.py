@@ -272,7 +272,7 @@ def test_chunked_loss_and_gradient_equal_cross_entropy(monkeypatch, dtype, consu
     vocab, n = 32, 37  # more rows than vocabulary entries: no loop may run over the wrong one
     # 4 rows per chunk: ten chunks, the last one ragged (37 = 9 * 4 + 1).
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * 4 * vocab)
-    assert loss_module.chunk_rows(vocab) == 4
+    assert loss_module.chunk_rows(vocab, n) == 4
     gen = torch.Generator().manual_seed(3)
     base = (torch.randn(n, vocab, generator=gen) * 4).to(dtype)
     targets = torch.randint(0, vocab, (n,), generator=gen)
@@ -314,9 +314,14 @@ def test_the_trainers_loss_writes_the_gradient_into_the_logits():
         assert x.grad.data_ptr() == x.data_ptr(), compiled
 
 
-def test_a_chunk_holds_at_least_one_row_and_at_most_chunk_bytes():
-    from meshlm.model.loss import CHUNK_BYTES, chunk_rows
+def test_a_chunk_holds_at_least_one_row_and_at_most_chunk_bytes_or_a_quarter_of_the_rows():
+    from meshlm.model.loss import CHUNK_BYTES, MIN_CHUNKS, chunk_rows
 
-    assert chunk_rows(CHUNK_BYTES) == 1  # a vocabulary wider than a chunk: one row at a time
+    many = 10**7
+    assert chunk_rows(CHUNK_BYTES, many) == 1  # a vocabulary wider than a chunk: one row at a time
     for vocab in (1000, 32000, 128256):
-        assert chunk_rows(vocab) * 4 * vocab <= CHUNK_BYTES < (chunk_rows(vocab) + 1) * 4 * vocab
+        rows = chunk_rows(vocab, many)
+        assert rows * 4 * vocab <= CHUNK_BYTES < (rows + 1) * 4 * vocab
+    # few rows (a small micro-batch, a tp rank's slice): the fp32 chunk is a quarter of the logits,
+    # not all of them
+    assert MIN_CHUNKS == 4 and chunk_rows(4096, 1024) == 256 and chunk_rows(4096, 3) == 1

@@ -185,15 +185,22 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # the head's backward: its weight and input gradients beside the logits' gradient; the
             # engine's gradient storage (or ZeRO-2's staging) is made only when the head's weight
             # gradient is handed over, after this
-            point("head backward", live, grads, s.gathered_loss + head_wgrad + incoming + sp_gathered)
+            # (under autocast the weight's gradient is made in bf16; its fp32 cast, for the fp32
+            # weight, comes once the logits' gradient is gone)
+            made_wgrad = head_wgrad * activation_itemsize(cfg) // s.param_item if autocast(cfg) else head_wgrad
+            point("head backward", live, grads, s.gathered_loss + made_wgrad + incoming + sp_gathered)
             live -= vocab
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
                   s.gathered_loss + head_wgrad + incoming + s.in_flight + owed_head)
             live -= head - vocab  # the rest goes with the final norm's backward
-        # inside a block's backward: the MLP's gate and up gradients beside the incoming one
-        transient = incoming + tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg) + sp_gathered
+        # inside a block's backward: the MLP's gate and up gradients beside the incoming one, or a
+        # norm's backward, whose three fp32 temporaries (the input squared, its scaled gradient and
+        # their product; fp32 in any dtype) outweigh them where the MLP is narrow and in bf16
+        norm_tokens = tokens // p.tp if p.sp else tokens
+        transient = incoming + sp_gathered + max(tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg),
+                                                 3 * norm_tokens * m.dim * 4)
         during = s.gathered_backward + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
         # the top block: it owes the head's (its own output gradients are the transients above)
         point("block backward", live, grads or s.grads_early,

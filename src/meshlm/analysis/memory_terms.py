@@ -130,7 +130,7 @@ def loss_transient_bytes(cfg: Config, tokens: int, backward: bool) -> int:
     from meshlm.model.loss import chunk_rows
 
     vocab = vocab_local(cfg)
-    chunk = min(tokens, chunk_rows(vocab)) * vocab * 4
+    chunk = min(tokens, chunk_rows(vocab, tokens)) * vocab * 4
     return chunk * (cfg.train.dtype == "bfloat16" if backward else 1)
 
 

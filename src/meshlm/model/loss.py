@@ -28,13 +28,17 @@ import torch
 
 IGNORE_INDEX = -100  # a target that is not a token to predict (padding, masked prompt)
 
-# Rows per chunk: ~32 MiB of fp32 logits at a time, whatever the vocabulary.
+# Rows per chunk: ~32 MiB of fp32 logits at a time, whatever the vocabulary, and at most a
+# quarter of the rows: the chunk is the loss's transient beside the logits, so with fewer rows
+# than one chunk holds it would be as large as fp32 logits (a third more memory at the loss of a
+# tp bench's 4 MiB logits). Rows are independent, so the result is the same at any chunking.
 CHUNK_BYTES = 32 * 2**20
+MIN_CHUNKS = 4
 
 
-def chunk_rows(vocab_size: int) -> int:
+def chunk_rows(vocab_size: int, tokens: int) -> int:
     """Tokens per chunk of the loss (analysis/memory.py counts the same fp32 chunk)."""
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+    return max(1, min(CHUNK_BYTES // (4 * vocab_size), -(-tokens // MIN_CHUNKS)))
 
 
 def exp_sum_and_target(chunk: torch.Tensor, local: torch.Tensor, row_max: torch.Tensor):
@@ -92,7 +96,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, consume, offset=0, all_reduce=None, kernels=None):
         kernels = kernels or EAGER_KERNELS
-        rows, n = chunk_rows(logits.shape[1]), logits.shape[0]
+        rows, n = chunk_rows(logits.shape[1], logits.shape[0]), logits.shape[0]
         local = targets - offset
         mine = (local >= 0) & (local < logits.shape[1]) & (targets != IGNORE_INDEX)
         local = local.masked_fill_(~mine, 0)
@@ -119,7 +123,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, local, ignored, lse = ctx.saved_tensors
         grad = logits if ctx.consume else torch.empty_like(logits)
-        rows = chunk_rows(logits.shape[1])
+        rows = chunk_rows(logits.shape[1], logits.shape[0])
         scale = grad_loss.float().masked_fill(ignored, 0.0)
         mine = local >= 0
         for lo in range(0, logits.shape[0], rows):
