@@ -121,3 +121,14 @@ def test_an_empty_size_range_names_max_bytes(capsys):
     assert main(["--max-bytes", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("meshlm bench comm: error: --max-bytes: ")
+
+
+def test_every_row_carries_the_bench_schema():
+    """DESIGN.md: every `meshlm bench --json` row has at least these fields; a collective has no
+    tokens and no paired implementation, so they are null here."""
+    from meshlm.comm.bench import analyse
+
+    schema = ("name", "world_size", "meshlm_tokens_per_s", "reference", "reference_tokens_per_s",
+              "tokens_per_s_ratio", "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio")
+    for row in analyse(_synthetic([65536, 2**20, 2**22]))["rows"]:
+        assert all(key in row for key in schema), [key for key in schema if key not in row]

@@ -179,6 +179,11 @@ def analyse(result: dict, model: Topology | None = None) -> dict:
         r["rel_err"] = (r["predicted_time_s"] - t) / t
         # What an ideal ring on the measured P2P link would take: the gap is the library's own cost.
         r["ideal_ring_time_s"] = op_time(r["op"], S, n, link) if link else None
+        # The bench schema every `meshlm bench --json` row carries (DESIGN.md): a collective moves
+        # bytes, not tokens, and is compared with the cost model, not with another implementation,
+        # so the paired fields are present and null.
+        r.update(dict.fromkeys(("meshlm_tokens_per_s", "reference", "reference_tokens_per_s", "tokens_per_s_ratio",
+                                "meshlm_peak_bytes", "reference_peak_bytes", "memory_ratio")))
 
     def median_err(rs):
         judged = [r for r in rs if r["bytes"] >= FIT_CHECK_MIN_BYTES]
