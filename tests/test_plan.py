@@ -376,7 +376,7 @@ def test_a_model_that_cannot_fit_exits_1_saying_what_it_needs(capsys):
     assert cli_main(["plan", "--model", "llama3-70b", "--gpus", "2"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("meshlm: error: llama3-70b does not fit on 2 x h100-80gb")
-    assert "GiB per GPU" in err and "needs at least 16 GPUs" in err
+    assert "GiB per GPU, 71.7 GiB usable" in err and "needs at least 16 GPUs" in err
     # the suggestion: a pipeline-free leanest layout without CP, and its bytes within the GPU's
     suggestion = err.split("(e.g. ")[1]
     assert " cp=1 " in suggestion and float(suggestion.split(": ")[-1].removesuffix(" GiB)")) <= 71.7
