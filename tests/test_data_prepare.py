@@ -526,3 +526,18 @@ def test_bench_data_reports_throughput_and_memory_against_the_tokenizer(tmp_path
     assert row["reference_peak_bytes"] > 0
     assert not any(tmp_path.iterdir())  # the generated corpus and cache are deleted without --keep
     assert "--size-mb" in meshlm_in_process("bench", "data", "--size-mb", "0", code=2).stderr
+
+
+def test_every_file_of_a_pretrained_tokenizers_cache_is_on_disk_before_meta_json(tmp_path, monkeypatch):
+    """meta.json vouches for the whole cache: tokenizer_config.json (the end-of-text token that
+    checkpoints and exports name) must be fsynced before it, as every other file is."""
+    fsynced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsynced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    tokenizer = _word_level_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(" ".join(f"w{i % 200}" for i in range(1000)))
+    prepare_data(DataConfig(path=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"),
+                            tokenizer=str(tokenizer), workers=1), 256, log=lambda m: None)
+    names = [Path(p).name for p in fsynced]
+    assert ".tokenizer_config.json.tmp" in names
+    assert names.index(".tokenizer_config.json.tmp") < names.index(".meta.json.tmp")

@@ -191,6 +191,16 @@ def test_ranks_of_another_node_are_not_reported_dead(tmp_path):
     assert "died" not in v["line"] and "rank 1 left no dump here: it ran on another node: see its run.dir" in v["line"]
 
 
+def test_this_nodes_ranks_timed_out_waiting_on_no_rank_here_are_named(tmp_path):
+    """A watchdog timeout on both ranks of this node, in no collective of theirs (startup, say):
+    the verdict names them and what they did, not an empty "rank  ... lost its peer"."""
+    for r in (0, 1):
+        write(tmp_path, r, 4, [], {"dp": [0, 1, 2, 3]}, reason="timeout", dir_ranks=[0, 1])
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"]) == ("elsewhere", [2, 3]), v["line"]
+    assert v["line"].startswith("elsewhere: ranks 0, 1 of this node stopped (timeout)"), v["line"]
+
+
 def test_a_failure_on_this_node_names_the_other_nodes_ranks_as_elsewhere(tmp_path):
     for r in (0, 1):
         write(tmp_path, r, 8, [rec(0)], {"dp": list(range(8))}, reason="error" if r == 1 else "peer_lost",

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshlm.analysis.hardware import gpu as find_gpu
-from meshlm.analysis.steptime import RECOMPUTE_MODES, Layout, StepTime, Workload, step_time
+from meshlm.analysis.steptime import RECOMPUTE_MODES, Layout, StepTime, Workload, defers_weight_grads, step_time
 from meshlm.config import Config, ConfigError, RunError, resolve
 from meshlm.parallel.pipeline.schedules import ScheduleError, check_schedule
 
@@ -220,12 +220,6 @@ class _MemoryOracle:
                     ((lay.pp_schedule, lay.pp_virtual), lay.zero, RECOMPUTE_MODES.index(lay.recompute),
                      lay.micro_batch_size))
         return self.cache[lay]
-
-
-def defers_weight_grads(lay: Layout) -> bool:
-    """Do the stages after the first defer their weight gradients to a flush (the default
-    parallel.pp_defer_wgrad; tensor-parallel linears and ZeRO-2/3 never do)?"""
-    return lay.pp > 1 and lay.tp == 1 and lay.zero <= 1
 
 
 def _chunks_can_be_leaner(work: Workload, lay: Layout) -> bool:

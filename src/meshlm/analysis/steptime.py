@@ -327,6 +327,13 @@ def _simulate(kind: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, p2p: f
     return simulate_schedule(kind, pp, m, v, OpCosts(list(fwd), list(bwd), p2p, wf)).step_time
 
 
+def defers_weight_grads(lay: Layout) -> bool:
+    """Do the stages after the first defer their weight gradients to a flush (the default
+    parallel.pp_defer_wgrad; tensor-parallel linears and ZeRO-2/3 never do; the memory model's
+    memory_terms.deferred_wgrad_bytes says the same of a Config)?"""
+    return lay.pp > 1 and lay.tp == 1 and lay.zero <= 1
+
+
 def step_time(work: Workload, lay: Layout, simulate: bool = True) -> StepTime:
     """The predicted step. simulate=False: the pipeline's fill and drain from the lower bound
     max over ranks k of (k x (F+B)_min + busy_k), which the simulator's time never undercuts
@@ -343,7 +350,7 @@ def step_time(work: Workload, lay: Layout, simulate: bool = True) -> StepTime:
         # k ranks upstream still run one chunk backward each (the deferring ones only its
         # input-gradient part; the first stage's, last of all, never defers), while rank k
         # flushes the weight gradients it deferred (one chunk of one micro-batch) beside them.
-        defers = lay.zero <= 1 and lay.tp == 1
+        defers = defers_weight_grads(lay)
         deferred = [r.weight_grads / v if defers else 0.0 for r in ranks]
         f_min = min(r.forward / v for r in ranks)
         b_min = min((r.busy - r.forward) / v - w for r, w in zip(ranks, deferred))
@@ -354,7 +361,7 @@ def step_time(work: Workload, lay: Layout, simulate: bool = True) -> StepTime:
         bwd = tuple(r.backward / v for r in ranks)
         # meshlm defers weight gradients in pipelines with ZeRO 0/1 (parallel.pp_defer_wgrad),
         # of plain linears only (tensor-parallel layers keep their own backward)
-        wf = ranks[0].weight_grads / ranks[0].backward if lay.zero <= 1 and lay.tp == 1 else 0.0
+        wf = ranks[0].weight_grads / ranks[0].backward if defers_weight_grads(lay) else 0.0
         p2p = p2p_seconds(work, lay)
         pipe = _pipeline(lay.pp_schedule, lay.pp, m, v, fwd, bwd, p2p, wf)
         # (max: deferred weight gradients can fill a P2P wait that would otherwise idle)

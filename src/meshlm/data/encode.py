@@ -85,8 +85,8 @@ class EncodedChunk:
     train_lengths: np.ndarray  # tokens per document in `train` (EOT included), int64
     val_lengths: np.ndarray
     text_bytes: int
-    worker_peak_bytes: int = 0  # the encoding process's peak resident memory so far (getrusage)
-    train_index: np.ndarray | None = None  # which of the chunk's documents are in `train` (a head), in order
+    worker_peak_bytes: int  # the encoding process's peak resident memory so far (getrusage)
+    train_index: np.ndarray  # which of the chunk's documents are in `train` (a head), in order
 
 
 def chunk_documents(documents: Iterable[tuple[str, str]], chunk_bytes: int = CHUNK_BYTES

@@ -17,7 +17,6 @@ Steps, inside `<cache>/tokens/.building-<name>/` (a fixed name, so a rerun resum
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -32,8 +31,8 @@ import numpy as np
 from meshlm.data.cache import build_lock, is_complete
 from meshlm.data.encode import (CHUNK_BYTES, EncodeSpec, EncoderPool, chunk_documents, peak_resident_bytes,
                                 split_document)
-from meshlm.data.shards import (SHARD_CHUNKS, ShardWriter, fsync_directory, read_json, replace_durably,
-                                write_json_atomically)
+from meshlm.data.shards import SHARD_CHUNKS, ShardWriter, read_json, write_json_atomically
+from meshlm.durable import fsync_dir, replace_durably
 from meshlm.errors import ConfigError
 from meshlm.train.corpus import Corpus
 from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, eot_id, load_tokenizer,
@@ -80,7 +79,7 @@ def build(plan: BuildPlan, log: Callable[[str], None]) -> None:
         if plan.cache_dir.exists():  # a cache whose meta.json is torn: unreadable to all, replaced
             shutil.rmtree(plan.cache_dir)
         os.rename(building, plan.cache_dir)
-        fsync_directory(plan.cache_dir.parent)
+        fsync_dir(plan.cache_dir.parent)
 
 
 def _build_in(building: Path, plan: BuildPlan, log: Callable[[str], None]) -> None:
@@ -155,7 +154,8 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
             shutil.copyfile(plan.pretrained.path, building / ".tokenizer.json.tmp")
             replace_durably(building / ".tokenizer.json.tmp", path)
         # which of its tokens separates documents (tokenizer.run_end_token), for checkpoints and exports
-        (building / TOKENIZER_CONFIG).write_text(json.dumps({"eos_token": plan.pretrained.end_token}) + "\n")
+        # (durable like every file the cache's meta.json vouches for)
+        write_json_atomically(building / TOKENIZER_CONFIG, {"eos_token": plan.pretrained.end_token})
         log(f"data: encoding {plan.corpus.label} with {plan.pretrained.path} on {plan.workers} worker(s) ...")
         return plan.pretrained.tokenizer, plan.pretrained.end_id
     if path.is_file():  # resumed: the shards so far were encoded with exactly this one

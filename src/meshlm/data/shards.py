@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.encode import EncodedChunk
+from meshlm.durable import replace_durably
 
 SHARD_CHUNKS = 64  # ~64 MB of text per shard: the most a kill can cost
 LONGEST_KEPT = 5  # the longest documents remembered, for meshlm data inspect
@@ -39,23 +40,6 @@ def write_json_atomically(path: Path, value: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     replace_durably(tmp, path)
-
-
-def replace_durably(tmp: Path, path: Path) -> None:
-    """os.replace(tmp, path) with tmp's data on disk first and the rename on disk after."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the renames in `directory` durable (its entries are data of the directory itself)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_json(path: Path) -> dict | None:

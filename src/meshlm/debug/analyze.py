@@ -107,9 +107,13 @@ def analyze(run_dir: Path | str) -> dict:
                       f"{', '.join(map(str, missing))} died without a report (killed, or a native crash); "
                       f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'their' if len(lost) > 1 else 'its'} peer"}
         elif away:
-            result = {"verdict": "elsewhere", "ranks": away, "line": f"elsewhere: rank{'s' if len(lost) > 1 else ''} "
-                      f"{', '.join(map(str, lost))} of this node lost {'their' if len(lost) > 1 else 'its'} peer "
-                      f"(the cause is on another node)"}
+            # this node's ranks lost their peers, or stopped (a watchdog's timeout) waiting in no
+            # collective of theirs: either way the cause is with the ranks of another node
+            ranks = lost or sorted(dumps)
+            what = ("lost " + ("their" if len(ranks) > 1 else "its") + " peer" if lost else
+                    "stopped (" + ", ".join(sorted({dumps[r].get("reason", "?") for r in ranks})) + ") waiting on no rank here")
+            result = {"verdict": "elsewhere", "ranks": away, "line": f"elsewhere: rank{'s' if len(ranks) > 1 else ''} "
+                      f"{', '.join(map(str, ranks))} of this node {what} (the cause is on another node)"}
         else:
             result = {"verdict": "unknown", "ranks": sorted(dumps), "line": "unknown: every rank dumped, none waits "
                       "on another; see each rank's stacks in the dumps"}

@@ -137,7 +137,7 @@ def oom_report(cfg, rank: int, step: int, phase: str, engine, device: torch.devi
                      f"large batch or allocation)")
     elif fits:
         fitting = [f"{change} (predicted peak {format_bytes(peak)})" for peak, change in fits
-                   if capacity is None or peak < 0.9 * capacity]
+                   if capacity is None or peak < FITS * capacity]
         lines.append("  to fit: " + ("; or ".join(fitting[:3]) if fitting else
                                      f"no single change fits; the lowest is {fits[0][1]} "
                                      f"(predicted peak {format_bytes(fits[0][0])}): combine them, or `meshlm plan`"))

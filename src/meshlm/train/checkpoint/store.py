@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from meshlm.durable import fsync_dir
 from meshlm.errors import RunError
 from meshlm.train.checkpoint.pieces import Rect
 
@@ -47,19 +48,6 @@ def step_dir_name(step: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
