@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import (BenchArgumentParser, below_minimum, bench_row, emit, loss_check_passed,
+from meshlm.bench.report import (BenchArgumentParser, bench_row, emit, loss_check_passed, parse_checked,
                                  prepare_cpu_rank, run_on_ranks)
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
 from meshlm.train.memtrack import measure_peak_bytes
@@ -353,15 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="on CPU, route the CPU flash kernel through torch CP's own ring (a labelled stand-in)")
     parser.add_argument("--rotate", choices=("allgather", "alltoall"), default="allgather",
                         help="torch CP's KV rotation (set_rotate_method)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
     # --warmup 0 is allowed (as by every bench): the loss check's step warms both sides first
-    problem = below_minimum(args, {"nproc": 2, "steps": 1, "warmup": 0, "batch": 1, "seq": 1})
-    if problem:
-        print(f"meshlm bench cp: error: {problem}", file=sys.stderr, flush=True)
-        return 2
+    args, code = parse_checked(parser, argv, "cp", {"nproc": 2, "steps": 1, "warmup": 0, "batch": 1, "seq": 1})
+    if code is not None:
+        return code
     from meshlm.config import ConfigError
 
     world = int(os.environ.get("WORLD_SIZE", args.nproc))

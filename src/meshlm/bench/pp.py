@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import (BenchArgumentParser, bench_row, below_minimum, loss_check_passed, prepare_cpu_rank,
+from meshlm.bench.report import (BenchArgumentParser, bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
                                  run_and_emit)
 from meshlm.train.memtrack import measure_peak_bytes
 
@@ -209,17 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="untimed steps per side; memory is measured on the last, at the earliest the second")
     parser.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false",
                         help="meshlm without deferred weight gradients (parallel.pp_defer_wgrad=false)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
     # --warmup 0 is allowed (as by every bench): memory is weighed on the second step at the earliest
-    problem = below_minimum(args, {"nproc": 2, "pairs": 1, "warmup": 0, "microbatches": 1, "batch": 1, "seq_len": 1})
-    if problem is None and args.batch % args.microbatches:
-        problem = f"--batch: {args.batch} rows do not split into --microbatches {args.microbatches}"
-    if problem:
-        print(f"meshlm bench pp: error: {problem}", file=sys.stderr, flush=True)
-        return 2
+    args, code = parse_checked(parser, argv, "pp", {"nproc": 2, "pairs": 1, "warmup": 0, "microbatches": 1, "batch": 1,
+                                                    "seq_len": 1},
+                               lambda a: f"--batch: {a.batch} rows do not split into --microbatches {a.microbatches}"
+                               if a.batch % a.microbatches else None)
+    if code is not None:
+        return code
     from meshlm.config import ConfigError, load_config, resolve
 
     world = int(os.environ.get("WORLD_SIZE", args.nproc))

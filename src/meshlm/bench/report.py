@@ -13,6 +13,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from typing import Any, Callable
 
 
@@ -145,6 +146,20 @@ def parse_args(parse: Callable[[Any], Any], argv) -> tuple[Any, int | None]:
         return parse(argv), None
     except SystemExit as e:
         return None, int(e.code or 0)
+
+
+def parse_checked(parser: argparse.ArgumentParser, argv, command: str, minimums: dict[str, int],
+                  check: Callable[[Any], str | None] | None = None) -> tuple[Any, int | None]:
+    """`parse_args`, then `below_minimum` and `check(args)` (a further problem, or None): (args,
+    None), or (None, the exit code) with the problem printed as one line."""
+    args, code = parse_args(parser.parse_args, argv)
+    if code is not None:
+        return None, code
+    problem = below_minimum(args, minimums) or (check(args) if check else None)
+    if problem:
+        print(f"meshlm bench {command}: error: {problem}", file=sys.stderr, flush=True)
+        return None, 2
+    return args, None
 
 
 def load_average() -> list[float] | None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import BenchArgumentParser, bench_row, below_minimum, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import BenchArgumentParser, bench_row, parse_checked, prepare_cpu_rank, run_and_emit
 from meshlm.bench.timing import alternate, measured_peak, random_batch
 
 IGNORE_INDEX = -100
@@ -171,15 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sp", choices=("both", "on", "off"), default="both")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
     # --warmup 0 is allowed (as by every bench): memory is weighed after the timed steps, warm
-    problem = below_minimum(args, {"nproc": 2, "pairs": 1, "warmup": 0, "batch": 1, "seq_len": 1})
-    if problem:
-        print(f"meshlm bench tp: error: {problem}", file=sys.stderr, flush=True)
-        return 2
+    args, code = parse_checked(parser, argv, "tp", {"nproc": 2, "pairs": 1, "warmup": 0, "batch": 1, "seq_len": 1})
+    if code is not None:
+        return code
     from meshlm.config import ConfigError, load_config, resolve
 
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
