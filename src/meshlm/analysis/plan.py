@@ -197,12 +197,12 @@ class _MemoryOracle:
     def ruled_out(self, lay: Layout) -> bool:
         """1F1B holds the fewest micro-batches in flight, so a 1F1B layout that does not fit rules
         out every schedule, unless the stages defer weight gradients (`defers_weight_grads`: a
-        1F1B stage owes its whole stage's, an interleaved chunk's are a v-th of that); any other
-        rules out its own schedule only. Nor under autocast with full recompute (ZeRO-0 in
-        bf16): a forward caches the bf16 copies of its whole chunk's weights. A larger micro-batch is ruled out only where the step
-        still has the micro-batches its peak needs: with fewer (no accumulation, a pipeline short
-        of its steady state) no gradients are held at the fullest point, and GPipe holds every
-        micro-batch, the same tokens at any size."""
+        1F1B stage owes its whole stage's, an interleaved chunk's are a v-th of that) or run under
+        autocast with full recompute (ZeRO-0 in bf16: a forward caches the bf16 copies of its
+        whole chunk's weights); any other rules out its own schedule only. A larger micro-batch
+        is ruled out only where the step still has the micro-batches its peak needs: with fewer
+        (no accumulation, a pipeline short of its steady state) no gradients are held at the
+        fullest point, and GPipe holds every micro-batch, the same tokens at any size."""
         r = RECOMPUTE_MODES.index(lay.recompute)
         sched = (lay.pp_schedule, lay.pp_virtual)
         whole = _micro_batches(self.work, lay) >= _peak_micro_batches(lay)
