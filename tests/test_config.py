@@ -96,7 +96,7 @@ def test_checks_that_relate_keys_to_each_other_and_to_the_world():
     with pytest.raises(ConfigError, match="overrides have the form section.key=value"):
         load_config(None, ["train.steps"])
     for override, message in (("train.steps=abc", "train.steps: expected an integer, got 'abc'"),
-                              ("model.init_from=3", "model.init_from: expected a string, got 3")):
+                              ("model.tie_embeddings=3", "model.tie_embeddings: expected true/false, got 3")):
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
         assert str(err.value) == message
@@ -194,9 +194,10 @@ def _declared_keys() -> dict[str, type]:
 def _invalid_values(key: str) -> list[str]:
     """Override texts this key must refuse, derived from its declared type and range: the nearest
     values outside each bound, 0 and -1 where those are outside too, nan/inf for numbers, a word
-    outside the choices, blanks where it must be non-empty, and a value of the wrong type."""
+    outside the choices, blanks where it must be non-empty, and a value of the wrong type (none for
+    text: an override's `3` for a text key is the text "3")."""
     typ, allowed = _declared_keys()[key], RANGES[key]
-    wrong_type = {int: ["abc", "1.5"], float: ["abc"], bool: ["yes", "1"], str: ["3"], list: ["3"]}[typ]
+    wrong_type = {int: ["abc", "1.5"], float: ["abc"], bool: ["yes", "1"], str: [], list: ["3"]}[typ]
     values = []
     if typ in (int, float):
         step = 1 if typ is int else 1e-3
@@ -289,3 +290,12 @@ def test_train_exits_2_with_one_line_for_every_refused_value(tmp_path, monkeypat
         assert cli.main(["train", f"run.dir={tmp_path}", f"{key}={text}"]) == 2, (key, text)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{key}:" in err and "Traceback" not in err, (key, text, err)
+
+
+def test_an_override_that_reads_as_a_number_is_text_for_a_text_key():
+    """`run.dir=2024` is a directory named 2024 (TOML reads the bare word as an integer); a
+    number key still refuses text."""
+    cfg = load_config(None, ["run.dir=2024", "run.sample_prompt=42"])
+    assert (cfg.run.dir, cfg.run.sample_prompt) == ("2024", "42")
+    with pytest.raises(ConfigError, match="train.steps: expected an integer"):
+        load_config(None, ["train.steps=abc"])

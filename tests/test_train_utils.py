@@ -69,3 +69,21 @@ def test_the_console_shows_the_first_every_interval_th_evaluated_and_last_step(t
                          "step_time_s": 1.0, "tflops": 1.0, **({"eval_loss": 2.0} if step == 5 else {})})
     shown = [int(line.split()[1]) for line in stream.getvalue().splitlines()]
     assert shown == [1, 3, 5, 6, 7]
+
+
+def test_a_rank_whose_world_differs_from_the_config_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
+    """Nodes launched with different --nproc: torchrun's world is not the one the launcher resolved
+    the config for. The rank says so in one line and exits 2 before any process group (it was a
+    traceback outside the rank's error handling: exit 1, and no reason shown anywhere)."""
+    from meshlm.train import worker
+
+    config = tmp_path / "config.toml"
+    config.write_text("[parallel]\ndp = 2\n")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    import meshlm.train.preemption as preemption
+
+    monkeypatch.setattr(preemption, "die_with_parent", lambda: None)
+    assert worker.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("meshlm: error: ") and "world size 3" in err and "--nproc" in err

@@ -190,7 +190,7 @@ def _field_types(section_cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
+def _coerce(key: str, value: Any, annotation: Any, text: str | None = None) -> Any:
     """Check `value` against a field annotation (int, float, bool, str, list, or X | None)."""
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if value is None and type(None) in allowed:
@@ -210,6 +210,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         if typ is str and isinstance(value, float) and not math.isfinite(value):
             return str(value)  # `debug.fault=nan`: TOML reads the bare word as a float
+    if text is not None and str in allowed:  # an override's `run.dir=2024`: the text, for a text key
+        return text
     names = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string", list: "a list"}.get(t, "none")
                         for t in allowed if t is not type(None))
     raise ConfigError(f"{key}: expected {names}, got {value!r}")
@@ -225,7 +227,7 @@ def _parse_override_value(text: str) -> Any:
         return text
 
 
-def _apply(cfg: Config, key: str, value: Any) -> None:
+def _apply(cfg: Config, key: str, value: Any, text: str | None = None) -> None:
     section_name, _, name = key.partition(".")
     if not name or "." in name:
         raise ConfigError(f"{key}: keys have the form section.name, e.g. train.steps")
@@ -235,7 +237,7 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
     types_ = _field_types(type(section))
     if name not in types_:
         raise ConfigError(f"{key}: unknown key (known in [{section_name}]: {', '.join(types_)})")
-    setattr(section, name, _coerce(key, value, types_[name]))
+    setattr(section, name, _coerce(key, value, types_[name], text))
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
@@ -258,7 +260,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{item}: overrides have the form section.key=value")
-        _apply(cfg, key.strip(), _parse_override_value(text.strip()))
+        _apply(cfg, key.strip(), _parse_override_value(text.strip()), text.strip())
     return cfg
 
 

@@ -162,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()  # no rank outlives torchrun's agent, however the agent ends
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = resolve(load_config(args.config), world_size=world_size)
+    try:
+        # The launcher resolved this config for nproc x nnodes ranks; the world torchrun formed can
+        # differ (nodes launched with different --nproc): one line, exit 2, not a silent exit 1.
+        cfg = resolve(load_config(args.config), world_size=world_size)
+    except ConfigError as e:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"meshlm: error: {e} (the ranks torchrun started: every node must pass the same --nproc)",
+                  file=sys.stderr, flush=True)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     backend = default_backend(cfg.parallel.backend)
     device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
