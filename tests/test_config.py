@@ -10,7 +10,8 @@ import pytest
 
 from helpers import meshlm_in_process
 from meshlm import cli
-from meshlm.config import RANGES, Config, ConfigError, _toml_value, load_config, resolve, to_toml
+from meshlm.config import RANGES, Config, ConfigError, load_config, resolve
+from meshlm.config_toml import to_toml, toml_value
 
 
 def test_overrides_parse_types_and_presets_fill_the_rest():
@@ -273,7 +274,7 @@ def test_the_configuration_reference_states_every_range_and_default():
         assert accepts == allowed.describe() + (f" ({allowed.note})" if allowed.note else ""), key
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        assert default == ("unset" if value is None else _toml_value(value)), key
+        assert default == ("unset" if value is None else toml_value(value)), key
 
 
 def test_train_exits_2_with_one_line_for_every_refused_value(tmp_path, monkeypatch, capsys):

@@ -77,7 +77,8 @@ def _stuck_peer(late_s):
     import torch.distributed as dist
 
     from meshlm.comm import Comm
-    from meshlm.mesh import Layout, ParallelContext, group_timeout
+    from meshlm.group_timeout import group_timeout
+    from meshlm.mesh import Layout, ParallelContext
 
     comm = Comm(ParallelContext(Layout(dp=2)))
     comm.all_reduce(torch.ones(4), "dp")  # opens the window: its barrier is the futex one here
@@ -119,7 +120,8 @@ def test_a_gone_peer_is_lost_and_only_the_barriers_own_words_decide():
 
 
 def _groups_timeouts():
-    from meshlm.mesh import Layout, ParallelContext, group_timeout
+    from meshlm.group_timeout import group_timeout
+    from meshlm.mesh import Layout, ParallelContext
 
     ctx = ParallelContext(Layout(tp=2, dp=2))
     return [group_timeout(ctx.group(axis)).total_seconds() for axis in ("tp", "dp", "world")]

@@ -9,7 +9,6 @@ a `ConfigError` whose message names the offending key; the CLI prints it and exi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import types
@@ -375,29 +374,3 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------- writing
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):  # data.blend: a TOML inline array
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    # A JSON string is a TOML basic string: quotes, backslashes, newlines, tabs and every other
-    # control character escaped (a prompt from a TOML file may hold any of them), but DEL, which
-    # JSON leaves as it is and TOML forbids.
-    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML. Hand-written because tomllib only reads, and a flat table of
-    scalars needs nothing more; None values are left out (TOML has no null) and reload as None."""
-    lines = []
-    for section_name in _field_types(Config):
-        lines.append(f"[{section_name}]")
-        for key, value in dataclasses.asdict(getattr(cfg, section_name)).items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.errors import ConfigError
+from meshlm.group_timeout import group_timeout
 
 if TYPE_CHECKING:  # config.py will import this module to call check_layout; avoid a cycle.
     from meshlm.config import Config, ParallelConfig
@@ -247,18 +248,6 @@ def default_device(backend: str, rank: int = 0) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def group_timeout(group=None):
-    """A process group's own timeout (init_process_group's: `backend_timeout` under `meshlm train`).
-    torch keeps it in the backend's options only; gloo's default where those cannot be read."""
-    group = dist.group.WORLD if group is None else group
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    return dist.default_pg_timeout
 
 
 class ParallelContext:

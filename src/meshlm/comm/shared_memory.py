@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meshlm.comm import shm_barrier
-from meshlm.mesh import group_timeout
+from meshlm.group_timeout import group_timeout
 
 WINDOW_BYTES = 16 * 2**20  # per slot: a 25 MiB DDP bucket takes two chunks
 MIN_WINDOW_BYTES = 2**20  # below this, /dev/shm is too small to be worth it: gloo's op

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshlm.config import load_config, resolve, to_toml
+from meshlm.config import load_config, resolve
+from meshlm.config_toml import to_toml
 from meshlm.errors import usage_error
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from meshlm.config import Config, ConfigError, load_config, resolve, to_toml
+from meshlm.config import Config, ConfigError, load_config, resolve
+from meshlm.config_toml import to_toml
 from meshlm.model import Llama
 from meshlm.train.tokenizer import TOKENIZER_CONFIG
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from meshlm.comm import Comm
 from meshlm.comm.traced import P2P, Handle
-from meshlm.mesh import group_timeout
+from meshlm.group_timeout import group_timeout
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 6

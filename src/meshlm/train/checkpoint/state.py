@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import meshlm
-from meshlm.config import to_toml
+from meshlm.config_toml import to_toml
 from meshlm.train.tokenizer import TOKENIZER_CONFIG
 from meshlm.train.checkpoint.pieces import (Placement, Piece, canonical_shapes, check_shapes,  # noqa: F401
                                             placements, segment_pieces)
