@@ -135,6 +135,36 @@ def train_rank(cfg: Config, guard=None, can_checkpoint: bool = True) -> list[dic
     return rows
 
 
+# Where a rank notes a config error for torchrun's later attempts (`--max-restarts`): the agent's
+# store outlives the ranks, so a restart can read it before it starts training into it again.
+CONFIG_ERROR_KEY = "meshlm/config_error"
+
+
+def _agent_store():
+    """torchrun's store: the same one through every attempt of this launch."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://"))
+    return store
+
+
+def remember_config_error(error: ConfigError) -> None:
+    """A config error is the same on every attempt: restarting into it again only repeats it."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    try:
+        _agent_store().set(CONFIG_ERROR_KEY, str(error))
+    except Exception:  # the error line is already out; a lost note costs only the restarts
+        pass
+
+
+def config_error_already_said() -> bool:
+    """On a restart: did an earlier attempt end in a config error (said then, on each node)?"""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    return _agent_store().check([CONFIG_ERROR_KEY])
+
+
 def init_process_group(backend: str, timeout) -> None:
     """The default process group from torchrun's environment. After a restart (--max-restarts)
     torchrun hands the new workers the same store, which still holds the dead workers' gloo
@@ -162,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()  # no rank outlives torchrun's agent, however the agent ends
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if config_error_already_said():  # torchrun restarts on any failure; exit as the last attempt did
+        return 2
     try:
         # The launcher resolved this config for nproc x nnodes ranks; the world torchrun formed can
         # differ (nodes launched with different --nproc): one line, exit 2, not a silent exit 1.
@@ -170,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"meshlm: error: {e} (the ranks torchrun started: every node must pass the same --nproc)",
                   file=sys.stderr, flush=True)
+        remember_config_error(e)
         return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     backend = default_backend(cfg.parallel.backend)
@@ -187,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RunError, ConfigError) as e:  # e.g. a bad checkpoint: one line, not a traceback per rank
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node: each launcher shows why
             print(f"meshlm: error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ConfigError) else 1  # bad config, as if found before the ranks: 2
+        if isinstance(e, ConfigError):
+            remember_config_error(e)
+            return 2  # bad config, as if found before the ranks
+        return 1
     except RankFailed:  # reported by the guard; the others learn it from their peer's exit
         return 1
     finally:
