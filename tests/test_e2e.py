@@ -184,6 +184,25 @@ def test_an_empty_prompt_starts_after_the_end_of_text_token():
     assert start_ids(no_end, "") == [0]
 
 
+def test_a_prompt_is_encoded_as_the_training_data_was_with_no_bos():
+    """A Llama tokenizer's post-processor puts a BOS in front of every encode(); meshlm's data is
+    encoded without it (tokenizer.encode), so a prompt is too: the model never saw that token
+    (it prefixed every prompt, and an empty prompt started from it instead of end-of-text). An
+    empty prompt starts after the run's own separator (`end_id`), not the first known name."""
+    from tokenizers import Tokenizer, processors
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from meshlm.train.generate import start_ids
+
+    words = Tokenizer(WordLevel({"!": 0, "the": 1, "<s>": 5, "<|endoftext|>": 7, "<|eot_id|>": 8}, unk_token="!"))
+    words.pre_tokenizer = Whitespace()
+    words.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 5)])
+    assert words.encode("the").ids == [5, 1]
+    assert start_ids(words, "the") == [1] and start_ids(words, "") == [7]
+    assert start_ids(words, "", end_id=8) == [8] and start_ids(words, "the", end_id=8) == [1]
+
+
 def test_generate_continues_the_prompt(single_cli_run):
     run_dir, _ = single_cli_run
     out = run_meshlm("generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "12",

@@ -413,7 +413,7 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert line.startswith("meshlm: error: --hf: ")
 
 
-def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, saved, tmp_path):
+def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, saved, tmp_path, monkeypatch):
     """A pretrained tokenizer with several end-of-text tokens (Llama-3's chat tokenizer has
     <|end_of_text|> and <|eot_id|>): its tokenizer_config.json names the one the data is separated
     with, and the export of a checkpoint or of final/ names that one as eos, not the first known name."""
@@ -436,3 +436,12 @@ def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, 
         assert json.loads((tmp_path / f"hf-{source.name}" / "config.json").read_text())["eos_token_id"] == eot
         assert json.loads((tmp_path / f"hf-{source.name}" / "tokenizer_config.json").read_text())["eos_token"] \
             == "<|eot_id|>"
+    # and `meshlm generate` of an empty prompt starts after that token too, not after <|endoftext|>
+    import meshlm.train.generate as generate
+
+    started = []
+    original = generate.start_ids
+    monkeypatch.setattr(generate, "start_ids", lambda *a, **k: started.append(original(*a, **k)) or started[-1])
+    for source in (run_dir, run_dir / "checkpoints" / "step_0000001"):
+        run_meshlm("generate", "--checkpoint", str(source), "--prompt", "", "--max-new-tokens", "2", in_process=True)
+    assert started == [[eot], [eot]]

@@ -36,6 +36,7 @@ def _generate_parser(sub) -> None:
 
 def cmd_generate(args) -> int:
     from meshlm.train.generate import sample
+    from meshlm.train.tokenizer import run_end_token
     from meshlm.train.weights import load_trained
 
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -44,9 +45,10 @@ def cmd_generate(args) -> int:
         return _fail_usage(f"--seed: must be in 0..2**63-1, got {args.seed}")
     if args.max_new_tokens < 0 or args.top_k < 0:
         return _fail_usage("--max-new-tokens and --top-k must be >= 0")
-    model, tokenizer, _ = load_trained(args.checkpoint)
+    model, tokenizer, cfg = load_trained(args.checkpoint)
     print(sample(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k or None, seed=args.seed))
+                 temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
+                 end_id=run_end_token(Path(cfg.data.tokenizer))[1]))
     return 0
 
 

@@ -9,23 +9,29 @@ from __future__ import annotations
 import torch
 
 
-def start_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt's ids; an empty prompt starts where a document does, after the end-of-text token
-    the corpus separated documents with (id 0 in meshlm's BPE, not in a pretrained tokenizer's)."""
-    from meshlm.train.tokenizer import known_end_token
+def start_ids(tokenizer, prompt: str, end_id: int | None = None) -> list[int]:
+    """The prompt's ids, encoded as the training data was: no special tokens added (a Llama
+    tokenizer's post-processor would put a BOS in front that meshlm never trains with). An empty
+    prompt starts where a document does, after the end-of-text token the corpus separated
+    documents with: `end_id` (the run's, `tokenizer.run_end_token`), else the first known name the
+    tokenizer has (id 0 in meshlm's BPE, not in a pretrained tokenizer's)."""
+    from meshlm.train.tokenizer import encode, known_end_token
 
-    end = known_end_token(tokenizer)[1]
-    return tokenizer.encode(prompt).ids or [0 if end is None else end]
+    if end_id is None:
+        end_id = known_end_token(tokenizer)[1]
+    return encode(tokenizer, prompt) or [0 if end_id is None else end_id]
 
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
-           top_k: int | None = 40, seed: int = 0, max_context: int | None = None) -> str:
-    """Continue `prompt`; returns prompt + generated text."""
+           top_k: int | None = 40, seed: int = 0, max_context: int | None = None,
+           end_id: int | None = None) -> str:
+    """Continue `prompt`; returns prompt + generated text. `end_id`: the run's end-of-text token
+    (see `start_ids`)."""
     if temperature < 0:
         raise ValueError("temperature must be >= 0 (0 = greedy)")
     device = next(model.parameters()).device
-    ids = start_ids(tokenizer, prompt)
+    ids = start_ids(tokenizer, prompt, end_id)
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     max_context = max_context or model.cfg.max_seq_len
