@@ -31,6 +31,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most probable tokens that sum to this probability (1 = off)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the end-of-text token the run separated documents with (default: go on)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -43,12 +47,15 @@ def cmd_generate(args) -> int:
         return _fail_usage(f"--temperature: must be a number >= 0, got {args.temperature}")
     if not 0 <= args.seed < 2**63:  # torch.Generator's seeds
         return _fail_usage(f"--seed: must be in 0..2**63-1, got {args.seed}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        return _fail_usage(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 0 or args.top_k < 0:
         return _fail_usage("--max-new-tokens and --top-k must be >= 0")
     model, tokenizer, cfg = load_trained(args.checkpoint)
     print(sample(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
-                 end_id=run_end_token(Path(cfg.data.tokenizer))[1]))
+                 end_id=run_end_token(Path(cfg.data.tokenizer))[1], top_p=args.top_p,
+                 stop_at_end=args.stop_at_eos))
     return 0
 
 

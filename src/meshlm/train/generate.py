@@ -1,4 +1,5 @@
-"""Sampling text from a trained model: temperature and top-k, one token at a time.
+"""Sampling text from a trained model: temperature, top-k and top-p (nucleus), one token at a time,
+optionally stopping at the end-of-text token.
 
 No KV cache: each new token re-runs the (short) context. That keeps the model free of
 inference-only state; for the model sizes trained here it costs milliseconds.
@@ -7,6 +8,24 @@ inference-only state; for the model sizes trained here it costs milliseconds.
 from __future__ import annotations
 
 import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """`logits` [V] with every token outside the top-k, then outside the nucleus, set to -inf.
+
+    The nucleus (Holtzman et al.; Hugging Face's and Megatron's `top_p`) is the smallest set of the
+    most probable tokens whose probabilities sum to at least `top_p`: a token stays if the tokens
+    ranked above it sum to less than `top_p`, so the most probable one always stays."""
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
 
 
 def start_ids(tokenizer, prompt: str, end_id: int | None = None) -> list[int]:
@@ -25,11 +44,18 @@ def start_ids(tokenizer, prompt: str, end_id: int | None = None) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
            top_k: int | None = 40, seed: int = 0, max_context: int | None = None,
-           end_id: int | None = None) -> str:
+           end_id: int | None = None, top_p: float = 1.0, stop_at_end: bool = False) -> str:
     """Continue `prompt`; returns prompt + generated text. `end_id`: the run's end-of-text token
-    (see `start_ids`)."""
+    (see `start_ids`); with `stop_at_end`, generation stops once it is drawn (the document is
+    over), else it goes on into a new document, the token itself invisible in the text."""
     if temperature < 0:
         raise ValueError("temperature must be >= 0 (0 = greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError("top_p must be in (0, 1] (1 = off)")
+    from meshlm.train.tokenizer import known_end_token
+
+    if end_id is None:
+        end_id = known_end_token(tokenizer)[1]
     device = next(model.parameters()).device
     ids = start_ids(tokenizer, prompt, end_id)
     tokens = torch.tensor([ids], dtype=torch.long, device=device)
@@ -41,9 +67,9 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 100, temperature
             next_id = logits.argmax()
         else:
             logits = (logits - logits.max()) / temperature  # a tiny temperature tends to greedy, never to inf - inf
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
+            logits = filter_logits(logits, top_k, top_p)
             next_id = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[0]
         tokens = torch.cat([tokens, next_id.view(1, 1)], dim=1)
+        if stop_at_end and end_id is not None and int(next_id) == end_id:
+            break
     return tokenizer.decode(tokens[0].tolist())

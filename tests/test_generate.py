@@ -1,0 +1,72 @@
+"""`meshlm generate`'s sampler on a scripted model: top-p (nucleus) keeps what Hugging Face's
+does, and --stop-at-eos ends at the run's end-of-text token."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from meshlm.cli import main as meshlm_main
+from meshlm.train.generate import filter_logits, sample
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_top_p_keeps_the_nucleus_as_hugging_face_does():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log()
+    for top_p in (0.3, 0.5, 0.79, 0.8, 0.81, 0.95, 0.999):
+        ours = filter_logits(logits, top_p=top_p)
+        theirs = transformers.TopPLogitsWarper(top_p)(None, logits.view(1, -1))[0]
+        assert torch.equal(ours.isfinite(), theirs.isfinite()), top_p
+    assert filter_logits(logits, top_p=0.5).isfinite().tolist() == [False, True, False, False]  # the top one stays
+    assert filter_logits(logits, top_p=0.81).isfinite().tolist() == [False, True, True, True]
+    assert torch.equal(filter_logits(logits, top_p=1.0), logits)
+    # top-k first, then the nucleus of what is left (renormalised): 0.5 / 0.8 < 0.7 keeps both
+    assert filter_logits(logits, top_k=2, top_p=0.7).isfinite().tolist() == [False, True, False, True]
+
+
+class Scripted(torch.nn.Module):
+    """Logits that make `script[i]` the certain i-th new token, then token 1 forever."""
+
+    def __init__(self, script: list[int], n_prompt: int, vocab: int = 10):
+        super().__init__()
+        self.script, self.n_prompt, self.vocab = script, n_prompt, vocab
+        self.cfg = SimpleNamespace(max_seq_len=64)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, tokens):
+        logits = torch.zeros(1, tokens.shape[1], self.vocab)
+        i = tokens.shape[1] - self.n_prompt
+        logits[0, -1, self.script[i] if i < len(self.script) else 1] = 50.0
+        return logits
+
+
+def words():
+    tok = Tokenizer(WordLevel({"!": 0, "the": 1, "cat": 2, "sat": 3, "<|endoftext|>": 7, "<|eot_id|>": 8},
+                              unk_token="!"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<|endoftext|>", "<|eot_id|>"])
+    return tok
+
+
+def test_stop_at_eos_ends_at_the_runs_end_of_text_token():
+    tok = words()
+    model = Scripted([2, 3, 8, 2, 3], n_prompt=1)
+    ids = lambda text: tok.encode(text).ids  # noqa: E731
+    # by default it goes on into the next document (the end token is invisible in the text)
+    assert ids(sample(model, tok, "the", max_new_tokens=5, temperature=0, end_id=8)) == [1, 2, 3, 2, 3]
+    assert ids(sample(model, tok, "the", max_new_tokens=5, temperature=0, end_id=8, stop_at_end=True)) == [1, 2, 3]
+    assert ids(sample(model, tok, "the", max_new_tokens=5, temperature=0.5, end_id=8, stop_at_end=True)) == [1, 2, 3]
+    # without the run's end id, the tokenizer's first known end-of-text name (7 here) ends it
+    assert ids(sample(model, tok, "the", max_new_tokens=5, temperature=0, stop_at_end=True)) == [1, 2, 3, 2, 3]
+
+
+@pytest.mark.parametrize("top_p", ["0", "1.5", "nan", "-0.1"])
+def test_a_bad_top_p_is_one_line_exit_2(tmp_path, capsys, top_p):
+    assert meshlm_main(["generate", "--checkpoint", str(tmp_path), "--top-p", top_p]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshlm: error: --top-p: must be in (0, 1]")
