@@ -413,6 +413,22 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert line.startswith("meshlm: error: --hf: ")
 
 
+def test_an_import_that_cannot_write_is_one_line_exit_1(saved, tmp_path, capsys, monkeypatch):
+    """A permission or a full disk while `meshlm import` writes final/ is a runtime failure in one
+    line, as for export (it was a traceback)."""
+    import meshlm.train.weights as weights
+
+    _, checkpoint, _ = saved("single-untied")
+    assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]) == 0
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "final.tmp"))
+
+    monkeypatch.setattr(weights, "save_final", no_space)
+    line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), code=1)
+    assert "No space left on device" in line
+
+
 def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, saved, tmp_path, monkeypatch):
     """A pretrained tokenizer with several end-of-text tokens (Llama-3's chat tokenizer has
     <|end_of_text|> and <|eot_id|>): its tokenizer_config.json names the one the data is separated

@@ -105,7 +105,11 @@ def _import_parser(sub) -> None:
 def cmd_import(args) -> int:
     from meshlm.train.checkpoint.hf_import import import_hf
 
-    final = import_hf(Path(args.hf), Path(args.out), replace=args.force)
+    try:
+        final = import_hf(Path(args.hf), Path(args.out), replace=args.force)
+    except OSError as e:  # a full disk, a permission: runtime failures, one line as export's
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
     print(f"meshlm: imported {args.hf} to {final}")
     return 0
 
