@@ -65,6 +65,24 @@ def test_stop_at_eos_ends_at_the_runs_end_of_text_token():
     assert ids(sample(model, tok, "the", max_new_tokens=5, temperature=0, stop_at_end=True)) == [1, 2, 3, 2, 3]
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+    """A vocab_size padded past the tokenizer (its 9 ids, the model's 12): those rows stand for no
+    text. Drawn, they printed nothing and fed the model an embedding it never trained on."""
+    tok = words()
+    model = Scripted([11, 10, 2], n_prompt=1, vocab=12)
+    assert tok.encode(sample(model, tok, "the", max_new_tokens=3, temperature=0)).ids[:2] == [1, 0]
+
+    class PaddedFirst(Scripted):  # the padded id 11 most likely, "sat" next
+        def forward(self, tokens):
+            logits = torch.zeros(1, tokens.shape[1], 12)
+            logits[0, -1, 11], logits[0, -1, 3] = 50.0, 40.0
+            return logits
+
+    for temperature in (0, 1.0):
+        out = sample(PaddedFirst([], 1, 12), tok, "the", max_new_tokens=3, temperature=temperature, top_k=None)
+        assert out == "the sat sat sat", out
+
+
 @pytest.mark.parametrize("top_p", ["0", "1.5", "nan", "-0.1"])
 def test_a_bad_top_p_is_one_line_exit_2(tmp_path, capsys, top_p):
     assert meshlm_main(["generate", "--checkpoint", str(tmp_path), "--top-p", top_p]) == 2
