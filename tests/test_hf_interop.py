@@ -413,6 +413,18 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert line.startswith("meshlm: error: --hf: ")
 
 
+def test_an_import_keeps_a_chat_template_file_for_its_export(saved, tmp_path):
+    """transformers >= 4.50 saves a chat template as chat_template.jinja beside tokenizer.json:
+    `meshlm import` then `meshlm export` keeps it (in tokenizer_config.json)."""
+    _, checkpoint, _ = saved("single-untied")
+    export_hf(checkpoint, tmp_path / "hf")
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    export_hf(tmp_path / "run", tmp_path / "again")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+
+
 def test_an_import_that_cannot_write_is_one_line_exit_1(saved, tmp_path, capsys, monkeypatch):
     """A permission or a full disk while `meshlm import` writes final/ is a runtime failure in one
     line, as for export (it was a traceback)."""
@@ -440,7 +452,9 @@ def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, 
     tokenizer.add_special_tokens(["<|eot_id|>"])
     (tmp_path / "tok").mkdir()
     tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    template = "{% for m in messages %}<|eot_id|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>",
+                                                                        "chat_template": template}))
     eot = tokenizer.token_to_id("<|eot_id|>")
     assert eot != tokenizer.token_to_id("<|endoftext|>")
     run_dir = tmp_path / "run"
@@ -452,6 +466,10 @@ def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, 
         assert json.loads((tmp_path / f"hf-{source.name}" / "config.json").read_text())["eos_token_id"] == eot
         assert json.loads((tmp_path / f"hf-{source.name}" / "tokenizer_config.json").read_text())["eos_token"] \
             == "<|eot_id|>"
+        # the chat template comes along (it was dropped: apply_chat_template of the export failed)
+        hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf-{source.name}")
+        chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert chat == "<|eot_id|>user: hi"
     # and `meshlm generate` of an empty prompt starts after that token too, not after <|endoftext|>
     import meshlm.train.generate as generate
 

@@ -35,8 +35,8 @@ from meshlm.data.shards import SHARD_CHUNKS, ShardWriter, read_json, write_json_
 from meshlm.durable import fsync_dir, replace_durably
 from meshlm.errors import ConfigError
 from meshlm.train.corpus import Corpus
-from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, eot_id, load_tokenizer,
-                                    split_for_encoding, splits_like_gpt2, train_tokenizer)
+from meshlm.train.tokenizer import (TOKENIZER_ALGORITHM, TOKENIZER_CONFIG, PretrainedTokenizer, chat_template, eot_id,
+                                    load_tokenizer, split_for_encoding, splits_like_gpt2, train_tokenizer)
 
 DATA_FORMAT_VERSION = 4  # 2: streamed shards, one file per split, document index; 3: no forced cuts in real
 # text; 4: the held-out cut near val_fraction (short documents held out whole, by hash)
@@ -155,7 +155,10 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
             replace_durably(building / ".tokenizer.json.tmp", path)
         # which of its tokens separates documents (tokenizer.run_end_token), for checkpoints and exports
         # (durable like every file the cache's meta.json vouches for)
-        write_json_atomically(building / TOKENIZER_CONFIG, {"eos_token": plan.pretrained.end_token})
+        # and its chat template, if it has one: exports carry it (tokenizer.chat_template)
+        template = chat_template(plan.pretrained.path)
+        write_json_atomically(building / TOKENIZER_CONFIG, {"eos_token": plan.pretrained.end_token,
+                                                            **({"chat_template": template} if template else {})})
         log(f"data: encoding {plan.corpus.label} with {plan.pretrained.path} on {plan.workers} worker(s) ...")
         return plan.pretrained.tokenizer, plan.pretrained.end_id
     if path.is_file():  # resumed: the shards so far were encoded with exactly this one

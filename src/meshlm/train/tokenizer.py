@@ -122,6 +122,23 @@ def _named_end_token(file: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.50 saves it, beside tokenizer.json
+
+
+def chat_template(file: Path) -> str | list | None:
+    """The chat template of the tokenizer.json `file`: the chat_template of the
+    tokenizer_config.json beside it, else the chat_template.jinja beside it; None if neither.
+    meshlm does not use it, but carries it (token cache, checkpoints, final/) into exports, so an
+    export of a chat model fine-tuned with `model.init_from` still has its template."""
+    try:
+        template = json.loads((file.parent / TOKENIZER_CONFIG).read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        template = None
+    if template is None and (file.parent / CHAT_TEMPLATE_FILE).is_file():
+        template = (file.parent / CHAT_TEMPLATE_FILE).read_text()
+    return template
+
+
 def _end_token(tokenizer: Tokenizer, file: Path) -> str | None:
     """The token that separates documents: the eos_token of the tokenizer_config.json beside
     `file`, else the first of END_OF_TEXT_NAMES the tokenizer has (a Llama-3 chat tokenizer has

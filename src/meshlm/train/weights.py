@@ -18,7 +18,7 @@ from safetensors.torch import load_model, save_model
 from meshlm.config import Config, ConfigError, load_config, resolve
 from meshlm.config_toml import to_toml
 from meshlm.model import Llama
-from meshlm.train.tokenizer import TOKENIZER_CONFIG
+from meshlm.train.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG
 
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -37,8 +37,9 @@ def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path:
     # save_model drops the duplicate of tied weights (safetensors stores no aliases).
     save_model(model, str(tmp / WEIGHTS))
     shutil.copyfile(tokenizer_path, tmp / TOKENIZER)
-    if (Path(tokenizer_path).parent / TOKENIZER_CONFIG).is_file():  # its end-of-text choice (run_end_token)
-        shutil.copyfile(Path(tokenizer_path).parent / TOKENIZER_CONFIG, tmp / TOKENIZER_CONFIG)
+    for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):  # its end-of-text choice (run_end_token), its chat
+        if (Path(tokenizer_path).parent / name).is_file():  # template (tokenizer.chat_template): for exports
+            shutil.copyfile(Path(tokenizer_path).parent / name, tmp / name)
     (tmp / CONFIG).write_text(to_toml(cfg))
     old = run_dir / "final.old"
     if final.exists():

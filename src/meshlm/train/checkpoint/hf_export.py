@@ -27,7 +27,7 @@ import torch
 from meshlm.config import ConfigError, ModelConfig, load_config
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
 from meshlm.train.checkpoint.store import write_safetensors
-from meshlm.train.tokenizer import TOKENIZER_CONFIG, load_tokenizer, run_end_token
+from meshlm.train.tokenizer import TOKENIZER_CONFIG, chat_template, load_tokenizer, run_end_token
 
 
 @dataclass
@@ -113,13 +113,14 @@ def end_of_text(tokenizer_path: Path) -> tuple[str | None, int | None]:
     return run_end_token(tokenizer_path)
 
 
-def tokenizer_config(end_token: str | None, max_len: int) -> dict:
+def tokenizer_config(end_token: str | None, max_len: int, template=None) -> dict:
     # clean_up_tokenization_spaces would rewrite " ," to "," on decode: a byte-level BPE
-    # round-trips text exactly and must decode exactly as meshlm does.
+    # round-trips text exactly and must decode exactly as meshlm does. `template`: the chat
+    # template of a pretrained tokenizer (tokenizer.chat_template), kept for apply_chat_template.
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
             "bos_token": end_token, "eos_token": end_token, "unk_token": None, "pad_token": None,
             "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False}
+            "clean_up_tokenization_spaces": False, **({"chat_template": template} if template else {})}
 
 
 # --------------------------------------------------------------------------- the command
@@ -168,7 +169,8 @@ def export_hf(source: Path, out: Path) -> ExportReport:
         end_token, end_id = end_of_text(src.tokenizer)
         (tmp / HF_CONFIG).write_text(json.dumps(llama_config(src.model, end_id), indent=2) + "\n")
         shutil.copyfile(src.tokenizer, tmp / "tokenizer.json")
-        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(end_token, src.model.max_seq_len),
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(end_token, src.model.max_seq_len,
+                                                                        chat_template(src.tokenizer)),
                                                        indent=2) + "\n")
         if out.exists():  # empty or an earlier export: its files replaced one by one, the directory
             for name in EXPORTED:  # kept (it may be the working directory of whoever runs this)
