@@ -88,3 +88,25 @@ def test_a_bad_top_p_is_one_line_exit_2(tmp_path, capsys, top_p):
     assert meshlm_main(["generate", "--checkpoint", str(tmp_path), "--top-p", top_p]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshlm: error: --top-p: must be in (0, 1]")
+
+
+@pytest.mark.parametrize("device,reason", [("gpu", "is not a device"), ("meta", "runs on cpu or cuda"),
+                                           ("cuda:7", "no such CUDA device here")])
+def test_a_bad_device_is_one_line_exit_2(tmp_path, capsys, device, reason):
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert meshlm_main(["generate", "--checkpoint", str(tmp_path), "--device", device]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"meshlm: error: --device: ") and reason in err[0], err
+
+
+def test_generate_on_a_device(single_cli_run, capsys):
+    """--device cpu (and cuda where there is one) runs the model there: the same greedy text."""
+    run_dir, _ = single_cli_run
+    texts = []
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        capsys.readouterr()
+        assert meshlm_main(["generate", "--checkpoint", str(run_dir), "--prompt", "The ", "--max-new-tokens", "6",
+                            "--temperature", "0", "--device", device]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0].startswith("The ") and len(set(texts)) == 1

@@ -36,6 +36,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the end-of-text token the run separated documents with (default: go on)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
 
 
 def cmd_generate(args) -> int:
@@ -51,7 +52,17 @@ def cmd_generate(args) -> int:
         return _fail_usage(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 0 or args.top_k < 0:
         return _fail_usage("--max-new-tokens and --top-k must be >= 0")
-    model, tokenizer, cfg = load_trained(args.checkpoint)
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        return _fail_usage(f"--device: {args.device!r} is not a device ({str(e).splitlines()[0]})")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        return _fail_usage(f"--device: {args.device}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    if device.type not in ("cpu", "cuda"):
+        return _fail_usage(f"--device: {args.device}: meshlm generate runs on cpu or cuda")
+    model, tokenizer, cfg = load_trained(args.checkpoint, device=device)
     print(sample(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
                  end_id=run_end_token(Path(cfg.data.tokenizer))[1], top_p=args.top_p,
