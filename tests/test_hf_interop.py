@@ -133,6 +133,23 @@ def test_exported_tokenizer_encodes_like_meshlm(saved, tmp_path):
     assert config["tie_word_embeddings"] is True and config["torch_dtype"] == "float32"
 
 
+def test_export_in_bfloat16(saved, tmp_path):
+    """--dtype bfloat16: half the bytes, the weights rounded to nearest, a config.json that loads them
+    as bf16; float32 stays the default (the masters as they are)."""
+    _, checkpoint, full = saved("single-tied")
+    fp32 = export_hf(checkpoint, tmp_path / "fp32")
+    assert meshlm_main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "bf16"),
+                        "--dtype", "bfloat16"]) == 0
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert abs((tmp_path / "bf16" / "model.safetensors").stat().st_size * 2 - fp32.bytes) < 4096
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert hf.dtype == torch.bfloat16
+    theirs = hf.state_dict()
+    for name, value in full.items():
+        assert torch.equal(theirs[hf_name(name)], value.to(torch.bfloat16)), name
+
+
 def test_export_of_a_final_directory(corpus, saved, tmp_path):
     """final/ (save_final keeps one name of a tied pair, the checkpoint none) exports the same."""
     from meshlm.train.weights import save_final

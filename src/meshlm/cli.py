@@ -80,6 +80,8 @@ def _export_parser(sub) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a checkpoint directory, a run directory (its newest good checkpoint) or a final/ directory")
     p.add_argument("--out", required=True, help="the directory to write (replaced whole if it is an earlier export)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weights' dtype in model.safetensors (default float32: the masters as trained)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -89,7 +91,7 @@ def cmd_export(args) -> int:
     from meshlm.train.checkpoint.hf_export import export_hf
 
     try:  # a corrupt checkpoint is a RunError (one line, exit 1, in main)
-        report = export_hf(Path(args.checkpoint), Path(args.out))
+        report = export_hf(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
     except OSError as e:  # a full disk, a permission: runtime failures
         print(f"meshlm: error: {e}", file=sys.stderr)
         return 1

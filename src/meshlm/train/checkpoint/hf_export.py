@@ -2,8 +2,9 @@
 Llama directory that `transformers` loads with `LlamaForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`:
 
-    config.json            LlamaConfig (shape, rope_theta, rms_norm_eps, tied head, float32)
-    model.safetensors      the full fp32 weights under transformers' names (hf.hf_name)
+    config.json            LlamaConfig (shape, rope_theta, rms_norm_eps, tied head, dtype)
+    model.safetensors      the full weights under transformers' names (hf.hf_name), fp32 by
+                           default, or rounded to bf16 / fp16 (`dtype`)
     tokenizer.json         the run's tokenizer, byte for byte
     tokenizer_config.json  PreTrainedTokenizerFast, with the end-of-text token as eos and bos
 
@@ -91,7 +92,10 @@ class _FinalSource(_Source):
 # --------------------------------------------------------------------------- what is written
 
 
-def llama_config(m: ModelConfig, end_id: int | None) -> dict:
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def llama_config(m: ModelConfig, end_id: int | None, dtype: str = "float32") -> dict:
     """config.json for meshlm model `m`: the fields LlamaConfig reads, in transformers 4 and 5
     spellings (rope_theta / rope_parameters, torch_dtype / dtype)."""
     return {
@@ -102,7 +106,7 @@ def llama_config(m: ModelConfig, end_id: int | None) -> dict:
         "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "tie_word_embeddings": bool(m.tie_embeddings), "hidden_act": "silu",
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+        "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
         "bos_token_id": end_id, "eos_token_id": end_id, "pad_token_id": None,
     }
 
@@ -147,10 +151,14 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"--out: {out} exists and {what}; choose a new directory")
 
 
-def export_hf(source: Path, out: Path) -> ExportReport:
+def export_hf(source: Path, out: Path, dtype: str = "float32") -> ExportReport:
     """Write the Hugging Face Llama directory `out` from `source` (a checkpoint directory, a run
-    directory: its newest good checkpoint, or a final/ directory)."""
+    directory: its newest good checkpoint, or a final/ directory), its weights in `dtype` (one of
+    EXPORT_DTYPES: the fp32 masters as they are, or rounded to nearest)."""
     t0 = time.perf_counter()
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    torch_dtype = EXPORT_DTYPES[dtype]
     src = _open_source(Path(source))
     out = Path(out).resolve()  # `.` has no name to put a temporary directory beside
     _check_out(out)
@@ -162,12 +170,12 @@ def export_hf(source: Path, out: Path) -> ExportReport:
         names = sorted(src.shapes)  # meshlm names; a tied head is not among them
         theirs = {hf_name(name): src.shapes[name] for name in names}
         ours = {hf_name(name): name for name in names}
-        layout = {hf: (torch.float32, tuple(shape)) for hf, shape in theirs.items()}
+        layout = {hf: (torch_dtype, tuple(shape)) for hf, shape in theirs.items()}
         # One tensor in memory at a time: export needs the memory of the largest, not of the model.
-        size = write_safetensors(tmp / HF_WEIGHTS, layout, lambda hf: src.tensor(ours[hf]).float(),
+        size = write_safetensors(tmp / HF_WEIGHTS, layout, lambda hf: src.tensor(ours[hf]).to(torch_dtype),
                                  {"format": "pt"})["bytes"]
         end_token, end_id = end_of_text(src.tokenizer)
-        (tmp / HF_CONFIG).write_text(json.dumps(llama_config(src.model, end_id), indent=2) + "\n")
+        (tmp / HF_CONFIG).write_text(json.dumps(llama_config(src.model, end_id, dtype), indent=2) + "\n")
         shutil.copyfile(src.tokenizer, tmp / "tokenizer.json")
         (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(end_token, src.model.max_seq_len,
                                                                         chat_template(src.tokenizer)),
