@@ -110,3 +110,25 @@ def test_generate_on_a_device(single_cli_run, capsys):
                             "--temperature", "0", "--device", device]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("The ") and len(set(texts)) == 1
+
+
+def test_generate_warns_when_final_is_older_than_a_checkpoint(corpus, tmp_path, capsys):
+    """A finished run (final/ at step 2), resumed for 4 steps, failing at step 4 after its step-3
+    checkpoint: generate of the run directory still takes final/ (documented), but says that a
+    later checkpoint exists, which export of the same directory takes. A finished run: no warning."""
+    from helpers import meshlm_in_process, small_train_args
+
+    run_dir = tmp_path / "run"
+    args = [*small_train_args(corpus, run_dir, steps=2), "checkpoint.interval=1", "run.sample_tokens=0"]
+    meshlm_in_process("train", *args)
+    generate = ["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "2"]
+    capsys.readouterr()
+    assert meshlm_main(generate) == 0 and "warning" not in capsys.readouterr().err
+    meshlm_in_process("train", *args, "train.steps=4", "debug.fault=raise", "debug.fault_step=4", code=None)
+    assert (run_dir / "checkpoints" / "step_0000003").is_dir()
+    capsys.readouterr()
+    assert meshlm_main(generate) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"meshlm: warning: using {run_dir / 'final'} (step 2), but checkpoint "
+                   f"{run_dir / 'checkpoints' / 'step_0000003'} was written after it; pass --checkpoint "
+                   f"{run_dir / 'checkpoints' / 'step_0000003'} to use that one"]

@@ -87,8 +87,34 @@ def find_trained(path: str | Path, prefer: str = "final", key: str = "--checkpoi
     for kind in order:
         found = (path / "final" if _is_final(path / "final") else None) if kind == "final" else newest_checkpoint()
         if found is not None:
+            _warn_if_newer(path, kind, found, key)
             return kind, found
     raise ConfigError(f"{key}: {path} holds no checkpoint (no checkpoints/step_*/ and no final/ with {WEIGHTS})")
+
+
+def _warn_if_newer(run_dir: Path, kind: str, found: Path, key: str) -> None:
+    """Warn when final/ is taken from run directory `run_dir` but a later checkpoint exists: a run
+    resumed with more steps after final/ was written that stopped before finishing (preempted,
+    failed) leaves final/ behind its newest checkpoint, and generate (final/ first) and export
+    (checkpoint first) would take different weights without a word. Later: its step is past the
+    train.steps that final/ was written at, and it was written after final/."""
+    from meshlm.train.checkpoint.store import MANIFEST, STEP_DIR, list_checkpoints
+
+    if kind != "final":
+        return
+    complete = [p for p in list_checkpoints(run_dir / "checkpoints") if (p / MANIFEST).is_file()]
+    if not complete:
+        return
+    newest = complete[-1]
+    try:
+        final_steps = load_config(str(found / CONFIG)).train.steps
+        later = (int(STEP_DIR.match(newest.name).group(1)) > final_steps
+                 and (newest / MANIFEST).stat().st_mtime > (found / WEIGHTS).stat().st_mtime)
+    except (OSError, ConfigError):
+        return
+    if later:
+        print(f"meshlm: warning: using {found} (step {final_steps}), but checkpoint {newest} was written "
+              f"after it; pass {key} {newest} to use that one", file=sys.stderr)
 
 
 def _inference_config(config_file: Path) -> Config:
