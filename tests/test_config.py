@@ -166,6 +166,12 @@ def _meshlm(*args):
     (["train", "--nnodes", "0"], "--nnodes"),
     (["generate", "--checkpoint", "/no/such/dir", "--temperature", "nan"], "--temperature"),
     (["generate", "--checkpoint", "/no/such/dir", "--seed", str(2**70)], "--seed"),
+    # argparse's own refusals: one line too, not the usage block before it
+    (["train", "--nproc", "x"], "--nproc"),
+    (["generate", "--checkpoint", "/no/such/dir", "--top-k", "abc"], "--top-k"),
+    (["nosuchcommand"], "nosuchcommand"),
+    (["bench", "gpu", "--steps", "x"], "--steps"),
+    (["simulate", "pipeline", "--pp", "x"], "--pp"),
 ])
 def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
     """Through meshlm.cli.main in this process (what `python -m meshlm.cli` runs; an exception that

@@ -16,6 +16,7 @@ from meshlm.config import ConfigError, RunError
 from meshlm.debug.commands import cmd_debug, cmd_doctor, debug_parser, doctor_parser
 from meshlm.errors import usage_error
 from meshlm.train.command import cmd_train, train_parser
+from meshlm.errors import OneLineErrorParser
 
 
 _fail_usage = usage_error  # errors.py: one line, exit 2 (debug/commands.py uses it too)
@@ -242,7 +243,7 @@ def cmd_data(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="meshlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
     _generate_parser(sub)

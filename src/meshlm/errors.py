@@ -1,6 +1,7 @@
 """The two errors a user sees as one line: a bad setting (exit 2) and a failure they can act on
 (exit 1). At the bottom of the import graph, so any layer can raise them."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,3 +27,12 @@ def usage_error(message: str) -> int:
     """Print a bad-usage line the way every command does; returns exit code 2."""
     print(f"meshlm: error: {message}", file=sys.stderr)
     return 2
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """The argument parser of every command: a usage error is `PROG: error: MESSAGE (see PROG
+    --help)` on one line, exit 2, not argparse's usage block first (that is what --help is for).
+    Subcommand parsers (`add_subparsers().add_parser`) are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

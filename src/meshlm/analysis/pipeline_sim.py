@@ -34,6 +34,7 @@ from meshlm.errors import unwritable
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, REDUCE_GRADS, SCHEDULES, Instruction,
                                                 PipelineShape, ScheduleError, build_schedule, p2p_batches,
                                                 peak_in_flight)
+from meshlm.errors import OneLineErrorParser
 
 
 class SimulationDeadlock(RuntimeError):
@@ -299,7 +300,7 @@ def format_result(result: SimResult) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshlm simulate pipeline",
+    p = OneLineErrorParser(prog="meshlm simulate pipeline",
                                 description="Simulate a pipeline schedule on per-op costs and draw its timeline.")
     p.add_argument("--schedule", required=True, choices=SCHEDULES)
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")

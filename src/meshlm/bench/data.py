@@ -19,7 +19,6 @@ whole GB of Encodings at once, as the code before this did, would need ~50 GB: n
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ import json, os, sys, time
 from pathlib import Path
 from tokenizers import Tokenizer
 from meshlm.train.tokenizer import split_for_encoding
+from meshlm.errors import OneLineErrorParser
 tokenizer = Tokenizer.from_file({tokenizer!r})
 files, budget, texts = sorted(Path({path!r}).rglob("*.txt")), {limit}, []
 for f in files:
@@ -168,7 +168,7 @@ def run(opts) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="meshlm bench data", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench data", description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024, help="generated corpus size (default 1 GB)")
     p.add_argument("--reference-mb", type=int, default=64, help="corpus prefix of the paired throughput runs")
     p.add_argument("--pairs", type=int, default=3, help="paired runs, meshlm and reference alternating")

@@ -25,9 +25,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import (BenchArgumentParser, bench_row, below_minimum, parse_args, prepare_cpu_rank,
+from meshlm.bench.report import (bench_row, below_minimum, parse_args, prepare_cpu_rank,
                                  run_and_emit)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
+from meshlm.errors import OneLineErrorParser
 
 REFERENCES = {0: "torch DDP", 1: "torch DDP", 2: "fully_shard(reshard=False)", 3: "fully_shard"}
 
@@ -223,7 +224,7 @@ def _bench_rank(opts) -> list[dict]:
 
 
 def _parse(argv):
-    p = BenchArgumentParser(prog="meshlm bench dp", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench dp", description=__doc__.splitlines()[0])
     p.add_argument("--zero", default="0,1,2,3", help="comma-separated stages (0 = DDP)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to fork (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=6, help="timed pairs per stage")

@@ -23,7 +23,6 @@ Without a GPU it stops with one line (exit 2); `--device cpu` runs the same code
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 
@@ -31,6 +30,7 @@ import torch
 
 from meshlm.bench.report import bench_row, emit, load_average, parse_args
 from meshlm.bench.timing import alternate, measured_peak, random_batch
+from meshlm.errors import OneLineErrorParser
 
 TARGET_RATIO_VS_COMPILE = 1.0
 TARGET_MFU = {("1b", 2048): 0.45}
@@ -229,7 +229,7 @@ def _list(text: str, kind, flag: str, p) -> list:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="meshlm bench gpu", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench gpu", description=__doc__.splitlines()[0])
     p.add_argument("--presets", help=f"comma-separated model presets (default {GPU_DEFAULTS['presets']}; "
                                      f"--device cpu: {CPU_SMOKE['presets']})")
     p.add_argument("--seq", help=f"comma-separated sequence lengths (default {GPU_DEFAULTS['seq']})")

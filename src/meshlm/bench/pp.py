@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import (BenchArgumentParser, bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
+from meshlm.bench.report import (bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
                                  run_and_emit)
 from meshlm.train.memtrack import measure_peak_bytes
+from meshlm.errors import OneLineErrorParser
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 # Per step, fp32: the same stages and schedule give the same losses (0 in every recorded run); a
@@ -196,7 +197,7 @@ def _bench_rank(a: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = BenchArgumentParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="pipeline ranks to fork when not under torchrun")
     parser.add_argument("--schedule", choices=("all", *VIRTUAL), default="all")

@@ -121,14 +121,6 @@ def run_and_emit(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int, 
         emit(rows, as_json, **extra, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
 
 
-class BenchArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr, exit 2 (DESIGN.md: bad usage
-    is a one-line reason naming the option; the usage text is what --help is for)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def below_minimum(opts: Any, minimums: dict[str, int]) -> str | None:
     """The first option of `minimums` ({attribute: least value}) below its least value, as
     '--name: must be >= m, got v'; None if all are in range."""

@@ -33,6 +33,7 @@ from meshlm.comm.recorder import FlightRecorder
 from meshlm.errors import unwritable
 from meshlm.comm.traced import P2P, Comm, all_gather_single, reduce_scatter_single
 from meshlm.mesh import Layout, ParallelContext, default_backend
+from meshlm.errors import OneLineErrorParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 FIT_CHECK_MIN_BYTES = 64 * 1024  # the fit is judged on messages >= 64 KiB (below, latency noise rules)
@@ -258,7 +259,7 @@ def profile_of(report: dict, command: str) -> Topology:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshlm bench comm", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="local ranks to fork (ignored under torchrun)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "fit": {...}, ...}')
     p.add_argument("--sizes", help="comma-separated message sizes, e.g. 64K,1M,16M (default: powers of 2)")
