@@ -422,6 +422,23 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert not (run_dir / "final").exists()
     assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--force"]) == 0
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == final
+    # --force over a training run: its checkpoints move aside, or `export RUN_DIR` (newest checkpoint
+    # first) and a resuming `train` would still take the model the import replaced
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trained, other = shutil.copytree(run_dir, tmp_path / "trained"), shutil.copytree(tmp_path / "hf", tmp_path / "other")
+    weights = {k: v + 1 for k, v in load_file(other / "model.safetensors").items()}  # another model than the run's
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert meshlm_main(["import", "--hf", str(other), "--out", str(trained), "--force"]) == 0
+    (aside,) = trained.glob("checkpoints.old-*")
+    assert f"moved the checkpoints it replaces to {aside}" in capsys.readouterr().out
+    assert not (trained / "checkpoints").exists() and list(aside.glob("step_*"))
+    assert meshlm_main(["export", "--checkpoint", str(trained), "--out", str(tmp_path / "again")]) == 0
+    imported, exported = load_file(other / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert imported.keys() == exported.keys() and all(torch.equal(imported[k], exported[k]) for k in imported)
     (tmp_path / "afile").write_text("")
     line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "afile" / "x"), code=2)
     assert line.startswith(f"meshlm: error: --out: {tmp_path / 'afile' / 'x'} cannot be made")  # was a traceback

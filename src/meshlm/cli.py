@@ -120,11 +120,13 @@ def cmd_import(args) -> int:
     from meshlm.train.checkpoint.hf_import import import_hf
 
     try:
-        final = import_hf(Path(args.hf), Path(args.out), replace=args.force)
+        final, aside = import_hf(Path(args.hf), Path(args.out), replace=args.force)
     except OSError as e:  # a full disk, a permission: runtime failures, one line as export's
         print(f"meshlm: error: {e}", file=sys.stderr)
         return 1
     print(f"meshlm: imported {args.hf} to {final}")
+    if aside is not None:
+        print(f"meshlm: moved the checkpoints it replaces to {aside}")
     return 0
 
 

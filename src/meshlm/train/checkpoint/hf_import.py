@@ -5,6 +5,7 @@ directory's `final/`. The readers are in hf.py (Hugging Face) and store.py (mesh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -32,12 +33,15 @@ def init_from(trainer, path: Path) -> None:
     trainer.step = 0
 
 
-def import_hf(source: Path, run_dir: Path, replace: bool = False) -> Path:
+def import_hf(source: Path, run_dir: Path, replace: bool = False) -> tuple[Path, Path | None]:
     """`meshlm import`: a Hugging Face Llama directory as meshlm's `run_dir/final/` (weights under
     meshlm's names, its tokenizer, a config), which `meshlm generate` reads. To train from it,
     `model.init_from` reads the directory directly; this is for inspecting and sampling. A run
     directory that already holds a model (final/ or checkpoints, which generate would no longer
-    pick) is refused unless `replace`."""
+    pick) is refused unless `replace`; then its checkpoints move to `checkpoints.old-<time>` once
+    final/ is written (left in place, `export RUN_DIR`, which takes the newest checkpoint first,
+    and a `train` resuming in that directory would go on with the replaced model). Returns
+    (final/, where the checkpoints went or None)."""
     from meshlm.config import load_config, resolve
     from meshlm.model import Llama
     from meshlm.train.checkpoint.pieces import as_2d
@@ -66,4 +70,11 @@ def import_hf(source: Path, run_dir: Path, replace: bool = False) -> Path:
         for name, p in model.named_parameters():  # a tied head is the embedding: listed once
             rows, cols = as_2d(tuple(p.shape))
             reader.read("model", name, Rect(0, 0, rows, cols), p.view(rows, cols))
-    return save_final(model.state_dict(), cfg, source / "tokenizer.json", Path(run_dir))
+    final = save_final(model.state_dict(), cfg, source / "tokenizer.json", Path(run_dir))
+    aside = None
+    if list_checkpoints(run_dir / "checkpoints"):
+        from meshlm.train.checkpoint.resume import aside_path
+
+        aside = aside_path(run_dir / "checkpoints")
+        os.replace(run_dir / "checkpoints", aside)
+    return final, aside

@@ -196,19 +196,19 @@ def set_aside_old_checkpoints(cfg: Config, loaded: Path | None) -> Path | None:
         newer = found[here.index(loaded.resolve()) + 1:]
         if not newer:
             return None
-        aside = _aside_path(root)
+        aside = aside_path(root)
         aside.mkdir()
         # One rename each (no single rename moves part of a directory), newest first: the one
         # auto would otherwise resume in place of this run's goes first.
         for path in reversed(newer):
             os.replace(path, aside / path.name)
         return aside
-    aside = _aside_path(root)
+    aside = aside_path(root)
     os.replace(root, aside)
     return aside
 
 
-def _aside_path(root: Path) -> Path:
+def aside_path(root: Path) -> Path:
     """`checkpoints.old-<time>`, or `...-2`, `-3` if taken: two set-asides within one second (two
     fresh starts in a row) would otherwise rename onto the first's, and a rename onto a non-empty
     directory fails. The run directory's lock (run_lock.py) keeps other trains out between the
