@@ -22,6 +22,24 @@ def test_warmup_is_linear_then_cosine_reaches_the_floor():
     assert all(lr_at(s, cfg) > lr_at(s + 1, cfg) for s in range(9, 109))
 
 
+@pytest.mark.parametrize("decay, remaining", [("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+                                              ("linear", lambda p: 1 - p), ("sqrt", lambda p: 1 - math.sqrt(p))])
+def test_warmup_stable_decay_holds_the_peak_then_decays_over_its_fraction(decay, remaining):
+    """decay_fraction 0.2 of the 100 post-warmup updates: 10..89 at the peak, the decay over the last
+    20 (90..109) in the chosen shape, the run's last update at the floor. Written from the formulas
+    (Megatron-LM's WSD, torchtitan's decay_ratio), not from the code."""
+    cfg = TrainConfig(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1, lr_decay=decay, decay_fraction=0.2)
+    assert [lr_at(s, cfg) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert [lr_at(s, cfg) for s in range(10, 90)] == [1.0] * 80
+    assert [lr_at(s, cfg) for s in range(90, 110)] == pytest.approx(
+        [0.1 + 0.9 * remaining((s + 1 - 90) / 20) for s in range(90, 110)])
+    assert lr_at(109, cfg) == pytest.approx(0.1) and lr_at(89, cfg) > lr_at(90, cfg)
+    # the whole post-warmup span (the default fraction): the shape from the first update after warmup
+    whole = TrainConfig(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1, lr_decay=decay)
+    assert [lr_at(s, whole) for s in range(10, 110)] == pytest.approx(
+        [0.1 + 0.9 * remaining((s + 1 - 10) / 100) for s in range(10, 110)])
+
+
 def test_lr_scaling_rules():
     assert scale_lr(1e-3, 256, 1024, "linear") == pytest.approx(4e-3)
     assert scale_lr(1e-3, 256, 1024, "sqrt") == pytest.approx(2e-3)

@@ -56,6 +56,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    # The decay after warmup (train/optim.py): its shape, and the fraction of the post-warmup steps
+    # it takes, the last ones; before it the rate holds at train.lr. decay_fraction < 1 is
+    # warmup-stable-decay (WSD: Megatron-LM's lr-decay-style WSD, torchtitan's decay_ratio).
+    lr_decay: str = "cosine"
+    decay_fraction: float = 1.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -83,6 +83,8 @@ RANGES: dict[str, Range] = {
     "train.lr": _above(0),
     "train.min_lr_ratio": Range(low=0, high=1),
     "train.warmup_steps": _at_least(0),
+    "train.lr_decay": Range(choices=("cosine", "linear", "sqrt")),
+    "train.decay_fraction": Range(low=0, high=1, low_open=True),
     "train.weight_decay": _at_least(0),
     "train.beta1": Range(low=0, high=1, high_open=True),
     "train.beta2": Range(low=0, high=1, high_open=True),

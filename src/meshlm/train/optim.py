@@ -1,4 +1,4 @@
-"""AdamW with fp32 master weights, and the warmup + cosine learning-rate schedule.
+"""AdamW with fp32 master weights, and the learning-rate schedule (warmup, then a decay).
 
 Parameters are kept in fp32 (the master copy) and bf16 enters only through autocast, so the
 optimizer always updates fp32 weights with fp32 state: 16 bytes per parameter with its gradient.
@@ -29,18 +29,24 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio * lr` at `steps`.
+    """Linear warmup over `warmup_steps`, then decay to `min_lr_ratio * lr` at `steps`: `lr_decay`
+    is its shape (cosine, linear, or sqrt: 1 - sqrt(progress)), over the last `decay_fraction` of
+    the steps after warmup; before those the rate holds at `lr` (warmup-stable-decay when < 1:
+    a stable phase any number of decays can branch from, each a resume with its own `steps`).
 
     `step` counts from 0 (the update that makes step `step + 1`): the first update uses
-    lr/warmup rather than 0, so no step is wasted; the last warmup update is the only one at the
+    lr/warmup rather than 0, so no step is wasted; the last warmup update is the first at the
     peak, and the last update of the run (step `steps - 1`) is the one at the floor.
     """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step + 1 - cfg.warmup_steps) / decay_steps)
+    decay_steps = max(1, round(cfg.decay_fraction * (cfg.steps - cfg.warmup_steps)))
+    decay_start = cfg.steps - decay_steps  # updates up to here hold the peak
+    progress = min(1.0, max(0.0, (step + 1 - decay_start) / decay_steps))
+    remaining = {"cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress,
+                 "sqrt": 1 - math.sqrt(progress)}[cfg.lr_decay]
     min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+    return min_lr + (cfg.lr - min_lr) * remaining
 
 
 def scale_lr(base_lr: float, base_batch: int, new_batch: int, rule: str = "linear") -> float:

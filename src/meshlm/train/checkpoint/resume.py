@@ -71,7 +71,8 @@ def _warn_if_schedule_changed(path: Path, cfg: Config, warn) -> None:
 
     saved = load_config(str(path / "config.toml")).train
     changed = [f"train.{k} {getattr(saved, k)} -> {getattr(cfg.train, k)}"
-               for k in ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
+               for k in ("steps", "lr", "warmup_steps", "min_lr_ratio", "lr_decay", "decay_fraction", "weight_decay",
+                         "beta1", "beta2", "grad_clip")
                if getattr(saved, k) != getattr(cfg.train, k)]
     if changed:
         warn(f"meshlm: warning: resuming {path.name} with another schedule ({', '.join(changed)}): the curve "
