@@ -130,6 +130,31 @@ def test_an_explicit_pipeline_split_must_cover_every_layer_once():
     resolve(load_config(None, [*base, "model.n_layers=3", "parallel.pp_layers=2,1"]), world_size=2)
 
 
+LLAMA3 = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+          "model.rope_high_freq_factor=4", "model.rope_original_max_seq_len=128"]
+
+
+def test_llama3_rope_scaling_takes_all_four_numbers_or_none():
+    cfg = resolve(load_config(None, LLAMA3))
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_seq_len) == ("llama3", 8.0, 128)
+    assert resolve(load_config(None, [])).model.rope_scaling == "none"
+
+    def refused(overrides) -> str:
+        with pytest.raises(ConfigError) as err:
+            resolve(load_config(None, overrides))
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert refused(LLAMA3[:1] + LLAMA3[2:]).startswith("model.rope_factor: required with model.rope_scaling=llama3")
+    assert refused(LLAMA3[:-1]).startswith("model.rope_original_max_seq_len: required")
+    assert refused(["model.rope_factor=8"]).startswith("model.rope_factor: 8.0 is set, but model.rope_scaling is none")
+    assert refused(["model.rope_scaling=none", "model.rope_high_freq_factor=4"]).startswith(
+        "model.rope_high_freq_factor: 4.0 is set")
+    assert refused(LLAMA3[:3] + ["model.rope_high_freq_factor=1", LLAMA3[4]]).startswith(
+        "model.rope_high_freq_factor: 1.0 must exceed model.rope_low_freq_factor=1.0")
+    assert refused(["model.rope_scaling=linear"]).startswith("model.rope_scaling: must be one of none, llama3")
+
+
 def test_bad_toml_file_names_file_and_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train]\nsteps = 3\nlr = = 2\n")

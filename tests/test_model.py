@@ -44,7 +44,10 @@ def hf_twin(model: Llama):
         num_key_value_heads=cfg.n_kv_heads, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         # transformers 5 moved rope_theta into rope_parameters.
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_scaling != "llama3" else {
+            "rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len},
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
         attn_implementation="eager",  # transformers 5: a config field, no longer a model argument
     )
@@ -79,6 +82,45 @@ def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq):
     assert ours.abs().max() > 1.0  # the comparison below is not of near-zero numbers
     assert (ours - theirs.logits).abs().max() <= 1e-5
     assert abs(next_token_loss(ours, tokens) - theirs.loss) <= 1e-5
+
+
+LLAMA3 = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=0.5, rope_high_freq_factor=2.0,
+              rope_original_max_seq_len=16)
+
+
+@pytest.mark.parametrize("tied,seq", [(False, 64), (True, 37)])
+def test_llama3_rope_scaling_matches_hugging_face(tied, seq):
+    """Llama 3.1's scaled frequencies (rope_type "llama3"): an original context of 16 positions
+    and head_dim 16 put frequencies in all three bands (kept, blended, divided by the factor),
+    and 64 positions run 4x past the original context."""
+    from meshlm.model.llama import Llama3Scaling
+
+    cfg = small_cfg(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, tie_embeddings=tied, **LLAMA3)
+    scaling = Llama3Scaling.of(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    wavelen = 2 * math.pi / inv_freq
+    kept, divided = wavelen < 16 / 2.0, wavelen > 16 / 0.5
+    assert kept.any() and divided.any() and (~kept & ~divided).any()  # every band is exercised
+    scaled = scaling.apply(inv_freq)
+    assert torch.equal(scaled[kept], inv_freq[kept]) and torch.equal(scaled[divided], inv_freq[divided] / 8)
+    model = built(cfg, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(5)
+    hf = hf_twin(model)
+    assert torch.equal(hf.model.rotary_emb.inv_freq, scaled)
+    tokens = torch.randint(0, cfg.vocab_size, (2, seq))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf(input_ids=tokens).logits
+        unscaled = built(dataclasses.replace(cfg, rope_scaling="none"), seed=3)
+    assert ours.abs().max() > 1.0
+    assert (ours - theirs).abs().max() <= 1e-5
+    # and the scaling is not a no-op here: without it the same weights give other logits
+    unscaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (unscaled(tokens) - ours).abs().max() > 1e-2
 
 
 # --------------------------------------------------------------------------- building blocks

@@ -36,6 +36,14 @@ class ModelConfig:
     vocab_size: int | None = None
     max_seq_len: int | None = None
     rope_theta: float | None = None
+    # RoPE scaling for contexts beyond pretraining (model/llama.py, Llama3Scaling): "none", or
+    # "llama3" (Llama 3.1 / 3.2) with the four numbers below, all required then. Unset: "none",
+    # or what model.init_from's config.json says (its rope_scaling / rope_parameters).
+    rope_scaling: str | None = None
+    rope_factor: float | None = None  # low frequencies' positions divided by this
+    rope_low_freq_factor: float | None = None  # wavelengths above original / this: scaled
+    rope_high_freq_factor: float | None = None  # wavelengths below original / this: kept
+    rope_original_max_seq_len: int | None = None  # the pretraining context length
     tie_embeddings: bool | None = None
     norm_eps: float = 1e-5
     # A Hugging Face Llama directory (or a meshlm checkpoint) to start from: weights only, fresh
@@ -286,6 +294,8 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     for name, value in PRESETS[m.preset].items():
         if getattr(m, name) is None:
             setattr(m, name, value)
+    if m.rope_scaling is None:
+        m.rope_scaling = "none"
     check_ranges(cfg)
     p = cfg.parallel
     model_parallel = p.tp * p.cp * p.pp
@@ -324,12 +334,33 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+
+
+def _check_rope_scaling(m: ModelConfig) -> None:
+    """model.rope_scaling=llama3 needs its four numbers (and a non-empty blend band); without
+    scaling, none of them may be set (they would silently do nothing)."""
+    if m.rope_scaling == "none":
+        for key in ROPE_SCALING_KEYS:
+            _require(getattr(m, key) is None, f"model.{key}: {getattr(m, key)} is set, but model.rope_scaling is "
+                                              f"none; set model.rope_scaling=llama3 or leave model.{key} unset")
+        return
+    for key in ROPE_SCALING_KEYS:
+        _require(getattr(m, key) is not None,
+                 f"model.{key}: required with model.rope_scaling={m.rope_scaling} (Llama 3.1: rope_factor=8, "
+                 f"rope_low_freq_factor=1, rope_high_freq_factor=4, rope_original_max_seq_len=8192)")
+    _require(m.rope_high_freq_factor > m.rope_low_freq_factor,
+             f"model.rope_high_freq_factor: {m.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
+             f"{m.rope_low_freq_factor}")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """The checks that relate keys to each other and to the world size; resolve() has already
     checked each key's own range (RANGES)."""
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")
+    _check_rope_scaling(m)
     _require(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
              f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     _require(m.vocab_size >= 260 or d.tokenizer is not None,

@@ -75,6 +75,11 @@ RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                                             "max_seq_len")},
     "model.rope_theta": _above(0),
+    "model.rope_scaling": Range(choices=("none", "llama3")),  # its numbers: config.validate()
+    "model.rope_factor": _at_least(1),
+    "model.rope_low_freq_factor": _above(0),
+    "model.rope_high_freq_factor": _above(0),  # and above the low one: config.validate()
+    "model.rope_original_max_seq_len": POSITIVE_INT,
     "model.tie_embeddings": ANY,
     "model.norm_eps": _above(0),
     "model.init_from": ANY,  # a directory: read (and its errors named) in resolve()

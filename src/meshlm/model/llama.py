@@ -10,6 +10,8 @@ the two with a pure renaming.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,15 +42,60 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------- rotary positions
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's RoPE scaling (`rope_type: "llama3"` in a Hugging Face config): how a model
+    pretrained on `original_max_seq_len` tokens reads longer contexts.
+
+    Each frequency's wavelength (2π / inv_freq, in positions) decides its band:
+    - shorter than original_max_seq_len / high_freq_factor (high frequencies, local detail):
+      unchanged;
+    - longer than original_max_seq_len / low_freq_factor (low frequencies, which never turned
+      a full circle in pretraining): divided by `factor`, i.e. positions interpolated;
+    - in between: a linear blend of the two, by how many wavelengths fit in the original
+      context (smooth = (original/wavelength - low) / (high - low)).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+
+    @staticmethod
+    def of(cfg: ModelConfig) -> Llama3Scaling | None:
+        """The scaling a resolved ModelConfig asks for (model.rope_scaling), or None."""
+        if cfg.rope_scaling != "llama3":
+            return None
+        return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                             cfg.rope_original_max_seq_len)
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies; the same operations, in the same fp32 order, as
+        transformers' `_compute_llama3_parameters`, so the tables agree bit for bit."""
+        low_freq_wavelen = self.original_max_seq_len / self.low_freq_factor
+        high_freq_wavelen = self.original_max_seq_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_seq_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: Llama3Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) angle, shape [max_seq_len, head_dim], fp32, CPU.
 
-    Frequency i (of head_dim/2) rotates by theta^(-2i/head_dim) radians per position. Each
+    Frequency i (of head_dim/2) rotates by theta^(-2i/head_dim) radians per position, rescaled
+    by `scaling` (Llama 3.1's bands) when given. Each
     frequency appears twice, at i and i + head_dim/2, because `rotate_half` pairs dimension i
     with i + head_dim/2 (HF's layout) rather than 2i with 2i+1 (Meta's original complex layout).
     Computed on the CPU so the tables are identical whatever device the model runs on.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -76,9 +123,9 @@ class RotaryEmbedding(nn.Module):
     off by whole radians at large positions.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: Llama3Scaling | None = None):
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim, dtype=torch.float32), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim, dtype=torch.float32), persistent=False)
         self.reset()
@@ -89,7 +136,7 @@ class RotaryEmbedding(nn.Module):
 
         Needed after `to_empty()`, which leaves buffers uninitialised (meta-device init).
         """
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta)
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, self.scaling)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
@@ -192,7 +239,7 @@ class Llama(nn.Module):
             raise ValueError("Llama needs a resolved ModelConfig (call meshlm.config.resolve first)")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, Llama3Scaling.of(cfg))
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
