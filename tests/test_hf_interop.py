@@ -3,6 +3,7 @@ transformers with the same weights, logits, greedy text and tokens; `model.init_
 transformers Llama (or of an export, or of a checkpoint) gives every layout the same weights;
 bad paths and bad configs are one line and exit 2 (1 for a corrupt checkpoint)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -192,13 +193,14 @@ def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
 # --------------------------------------------------------------------------- import
 
 
-def random_hf_llama(out: Path, tied: bool, shard: bool):
+def random_hf_llama(out: Path, tied: bool, shard: bool, rope: dict | None = None):
     """A transformers Llama with random weights (GQA; vocab 512 so the offline corpus's BPE cache
-    is shared), saved with save_pretrained (sharded into several files when `shard`)."""
+    is shared), saved with save_pretrained (sharded into several files when `shard`); `rope`: its
+    rope_parameters beyond rope_theta (default: no scaling)."""
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, **(rope or {})})
     torch.manual_seed(11)
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -261,6 +263,87 @@ def test_config_comes_from_the_source_and_contradictions_name_the_key(corpus, tm
     for dim in (128, 32):  # larger or smaller than the source's 64
         with pytest.raises(ConfigError, match=rf"^model\.dim: {dim} contradicts"):
             small_cfg(corpus, tmp_path, 1, f"model.init_from={source}", f"model.dim={dim}")
+
+
+# Llama 3.2's scaling numbers on a 32-token "pretraining" context: with head_dim 16 and theta 5000,
+# the wavelengths 6.3 (kept), 18.7 (blended) and 56 and up (divided by 32) cover all three bands,
+# and 96 tokens run 3x past the original context.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def legacy_rope_scaling(source: Path, out: Path) -> None:
+    """`source` rewritten as transformers 4 saved Llama 3.1 / 3.2: `rope_scaling` and a top-level
+    rope_theta, no rope_parameters."""
+    import shutil
+
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+def test_a_llama3_scaled_model_imports_trains_and_exports_with_its_scaling(corpus, saved, tmp_path, spelling):
+    """init_from a Llama with llama3 rope scaling (transformers 5's or 4's spelling): the config
+    takes its scaling and the logits equal transformers' past the original context; one training
+    step, then the export carries the same rope keys back, and transformers computes the trained
+    model's logits from it."""
+    hf = random_hf_llama(tmp_path / "hf5", tied=False, shard=False, rope=LLAMA3_ROPE)
+    source = tmp_path / "hf5"
+    if spelling == "rope_scaling":
+        legacy_rope_scaling(source, tmp_path / "hf4")
+        source = tmp_path / "hf4"
+        assert transformers.AutoConfig.from_pretrained(source).rope_parameters == {**LLAMA3_ROPE, "rope_theta": 5000.0}
+    cfg = small_cfg(corpus, tmp_path / "run", 1, f"model.init_from={source}", "train.seq_len=64", steps=2)
+    m = cfg.model
+    assert (m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+            m.rope_original_max_seq_len, m.rope_theta) == ("llama3", 32.0, 1.0, 4.0, 32, 5000.0)
+    trainer = build_trainer(cfg)
+    init_from(trainer, source)
+    tokens = torch.arange(192).view(2, 96) * 7 % 512
+    with torch.no_grad():
+        ours, theirs = trainer.model(tokens), hf(input_ids=tokens).logits
+    assert ours.abs().max() > 1.0 and (ours - theirs).abs().max() <= 1e-4
+    trainer.train_step()
+    save_checkpoint(trainer, tmp_path / "run" / "checkpoints", keep=2)
+    export_hf(tmp_path / "run", tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 5000.0} and config["rope_theta"] == 5000.0
+    assert config["rope_scaling"] == LLAMA3_ROPE  # what transformers 4 reads
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert exported.config.rope_parameters == {**LLAMA3_ROPE, "rope_theta": 5000.0}
+    with torch.no_grad():
+        ours, theirs = trainer.model(tokens), exported(input_ids=tokens).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+    # and the export, imported again, is the same model
+    again = small_cfg(corpus, tmp_path / "again", 1, f"model.init_from={tmp_path / 'export'}", "train.seq_len=64")
+    assert dataclasses.replace(again.model, init_from=None) == dataclasses.replace(m, init_from=None)
+
+
+def test_generate_from_an_imported_llama3_model_equals_transformers(saved, tmp_path, capsys):
+    """`meshlm import` of a Llama 3.2-style directory (legacy rope_scaling), then `meshlm generate`
+    greedily past the original context: the tokens transformers' generate picks."""
+    _, checkpoint, _ = saved("single-untied")
+    hf = random_hf_llama(tmp_path / "hf5", tied=True, shard=False, rope=LLAMA3_ROPE)
+    legacy_rope_scaling(tmp_path / "hf5", tmp_path / "hf4")
+    import shutil
+
+    shutil.copyfile(checkpoint / "tokenizer.json", tmp_path / "hf4" / "tokenizer.json")  # vocab 512, as the model
+    assert meshlm_main(["import", "--hf", str(tmp_path / "hf4"), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    n_new = 60
+    assert meshlm_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "ROMEO:", "--temperature", "0",
+                        "--max-new-tokens", str(n_new)]) == 0
+    ours = capsys.readouterr().out[:-1]
+    tok = load_tokenizer(checkpoint / "tokenizer.json")
+    prompt = torch.tensor([encode(tok, "ROMEO:")])
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n_new)
+    assert out.shape[1] == prompt.shape[1] + n_new > 32
+    assert tok.decode(out[0].tolist(), skip_special_tokens=False) == ours
 
 
 def test_init_from_a_run_directory_starts_from_its_newest_checkpoint(corpus, saved, tmp_path, capsys):
@@ -360,6 +443,18 @@ def test_bad_init_from_is_one_line_exit_2(corpus, tmp_path, capsys):
         "rope_scaling": {"type": "linear", "factor": 4.0}}))
     line = in_process_fails(capsys, *train, f"model.init_from={scaled}", code=2)
     assert "rope scaling 'linear' is not supported" in line
+    # llama3 is the one scaling meshlm computes: every other type stays refused, in either key, even
+    # beside a llama3 one; a llama3 without its numbers is refused naming the missing one
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for rope, expected in [({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn' is not"),
+                           ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not"),
+                           ({"rope_scaling": llama3, "rope_parameters": {"rope_type": "longrope"}}, "'longrope' is not"),
+                           ({"rope_scaling": {**llama3, "factor": None}}, "llama3 rope scaling has no number factor")]:
+        (scaled / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 96, "vocab_size": 512, **rope}))
+        line = in_process_fails(capsys, *train, f"model.init_from={scaled}", code=2)
+        assert expected in line and line.startswith("meshlm: error: model.init_from: "), line
 
 
 def test_bad_export_source_is_one_line(saved, tmp_path, capsys):

@@ -101,27 +101,61 @@ def read_llama_config(path: Path, key: str = "model.init_from") -> dict:
     unsupported = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (meshlm: silu)"),
                    (bool(hf.get("attention_bias")), "attention_bias true"),
                    (bool(hf.get("mlp_bias")), "mlp_bias true"),
-                   (_rope_type(hf) != "default", f"rope scaling {_rope_type(hf)!r}")]
+                   (_rope_type(hf) not in ROPE_TYPES, f"rope scaling {_rope_type(hf)!r}")]
     for bad, what in unsupported:
         if bad:
-            raise ConfigError(f"{key}: {path}: {what} is not supported by meshlm's Llama")
+            raise ConfigError(f"{key}: {path}: {what} is not supported by meshlm's Llama"
+                              + (" (of the scalings, only 'llama3')" if what.startswith("rope") else ""))
     return hf
 
 
+ROPE_TYPES = ("default", "llama3")  # what meshlm's Llama computes (model/llama.py: Llama3Scaling)
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # and original_max_position_embeddings
+
+
+def _rope_kind(params) -> str:
+    return params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+
+
 def _rope_parameters(hf: dict) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta / rope_scaling."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return params if isinstance(params, dict) else {}
+    """The rope settings transformers applies: transformers 4 reads a legacy `rope_scaling`, and 5,
+    which keeps them in `rope_parameters`, still lets a `rope_scaling` in config.json replace them;
+    so `rope_scaling` when there is one, else `rope_parameters`."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        if isinstance(params, dict) and params:
+            return params
+    return {}
 
 
 def _rope_type(hf: dict) -> str:
-    """The first rope type other than "default" that either key names: a config.json may carry both,
-    and transformers applies a legacy `rope_scaling` beside a default `rope_parameters`."""
+    """The rope type transformers applies; but a type meshlm does not compute, named by either key,
+    wins (a config.json may carry both, and which one a given transformers reads is refused safe)."""
     for params in (hf.get("rope_parameters"), hf.get("rope_scaling")):
-        kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-        if kind != "default":
-            return kind
-    return "default"
+        if _rope_kind(params) not in ROPE_TYPES:
+            return _rope_kind(params)
+    return _rope_kind(_rope_parameters(hf))
+
+
+def _rope_fields(hf: dict, where: Path) -> dict:
+    """model.rope_theta and the rope scaling keys of a Llama config.json (read_llama_config has
+    refused any rope type but default and llama3)."""
+    rope = _rope_parameters(hf)
+    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), "rope_scaling": "none",
+              "rope_factor": None, "rope_low_freq_factor": None, "rope_high_freq_factor": None,
+              "rope_original_max_seq_len": None}
+    if _rope_type(hf) == "llama3":
+        missing = [k for k in LLAMA3_KEYS if not isinstance(rope.get(k), (int, float)) or isinstance(rope.get(k), bool)]
+        if missing:
+            raise ConfigError(f"model.init_from: {where / HF_CONFIG}: its llama3 rope scaling has no number "
+                              f"{missing[0]}")
+        # transformers falls back on max_position_embeddings, as here
+        original = rope.get("original_max_position_embeddings",
+                            hf.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048)))
+        fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                      rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]), rope_original_max_seq_len=int(original))
+    return fields
 
 
 def model_fields_from_hf(hf: dict, where: Path) -> dict:
@@ -132,7 +166,7 @@ def model_fields_from_hf(hf: dict, where: Path) -> dict:
                   "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
                   "ffn_dim": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]),
                   "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
-                  "rope_theta": float(_rope_parameters(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
+                  **_rope_fields(hf, where),
                   "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
                   "norm_eps": float(hf.get("rms_norm_eps", 1e-6))}
     except KeyError as e:
@@ -175,7 +209,10 @@ def init_source_fields(path: Path) -> dict:
             raise ConfigError(f"model.init_from: {path}: not a readable meshlm checkpoint ({e})") from None
         shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                       "rope_theta", "tie_embeddings", "norm_eps")
-        return {k: saved[k] for k in shape_keys}
+        # the rope scaling keys: a checkpoint from before they existed was trained without scaling
+        scaling = {k: saved.get(k) for k in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                             "rope_original_max_seq_len")}
+        return {**{k: saved[k] for k in shape_keys}, "rope_scaling": saved.get("rope_scaling") or "none", **scaling}
     return model_fields_from_hf(read_llama_config(path), path)
 
 

@@ -2,7 +2,8 @@
 Llama directory that `transformers` loads with `LlamaForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`:
 
-    config.json            LlamaConfig (shape, rope_theta, rms_norm_eps, tied head, dtype)
+    config.json            LlamaConfig (shape, rope_theta and llama3 rope scaling, rms_norm_eps,
+                           tied head, dtype)
     model.safetensors      the full weights under transformers' names (hf.hf_name), fp32 by
                            default, or rounded to bf16 / fp16 (`dtype`)
     tokenizer.json         the run's tokenizer, byte for byte
@@ -95,15 +96,28 @@ class _FinalSource(_Source):
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def rope_config(m: ModelConfig) -> dict:
+    """The rope keys of config.json: `rope_theta` and `rope_parameters` (transformers 5); with
+    scaling, also the legacy `rope_scaling` that transformers 4 reads (without rope_theta, which
+    its validation would call unrecognised; 5 takes rope_theta from beside it)."""
+    if m.rope_scaling != "llama3":
+        return {"rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
+    scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+               "high_freq_factor": m.rope_high_freq_factor,
+               "original_max_position_embeddings": m.rope_original_max_seq_len}
+    return {"rope_theta": m.rope_theta, "rope_parameters": {**scaling, "rope_theta": m.rope_theta},
+            "rope_scaling": scaling}
+
+
 def llama_config(m: ModelConfig, end_id: int | None, dtype: str = "float32") -> dict:
     """config.json for meshlm model `m`: the fields LlamaConfig reads, in transformers 4 and 5
-    spellings (rope_theta / rope_parameters, torch_dtype / dtype)."""
+    spellings (rope_theta / rope_parameters / rope_scaling, torch_dtype / dtype)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.dim // m.n_heads,
         "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        **rope_config(m),
         "tie_word_embeddings": bool(m.tie_embeddings), "hidden_act": "silu",
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
         "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
