@@ -237,6 +237,31 @@ def test_bad_resume_input_is_one_line_exit_2(corpus, tmp_path, capsys, four_step
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "checkpoint.interval" in proc.stderr
 
 
+LLAMA3 = ("model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+          "model.rope_high_freq_factor=4", "model.rope_original_max_seq_len=8")
+
+
+def test_a_llama3_scaled_run_resumes_exactly_and_only_with_its_scaling(corpus, tmp_path, capsys, four_steps):
+    """Llama 3.1's rope scaling (an 8-token original context, 32-token windows) is part of the model
+    a checkpoint holds: the same scaling resumes bit for bit; another factor, dropping the scaling,
+    or adding it to an unscaled checkpoint is exit 2, one line naming the key."""
+    run_meshlm(*train_args(corpus, tmp_path / "scaled", *LLAMA3, "checkpoint.keep=3", steps=4), in_process=True)
+    straight = losses(tmp_path / "scaled")
+    ckpt = tmp_path / "scaled" / "checkpoints" / "step_0000002"
+    run_meshlm(*train_args(corpus, tmp_path / "resumed", *LLAMA3, f"checkpoint.resume={ckpt}", steps=4),
+               in_process=True)
+    assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == straight[2:]
+    assert abs(losses(four_steps)[0] - straight[0]) > 1e-6  # the same init without scaling: another loss
+    one_line_error(capsys, train_args(corpus, tmp_path / "a", *LLAMA3[:1], "model.rope_factor=16", *LLAMA3[2:],
+                                      f"checkpoint.resume={ckpt}"),
+                   "model.rope_factor: 16.0, but checkpoint", "trained with 8.0")
+    one_line_error(capsys, train_args(corpus, tmp_path / "b", f"checkpoint.resume={ckpt}"),
+                   "model.rope_scaling: none, but checkpoint", "trained with llama3")
+    one_line_error(capsys, train_args(corpus, tmp_path / "c", *LLAMA3,
+                                      f"checkpoint.resume={four_steps / 'checkpoints' / 'step_0000002'}"),
+                   "model.rope_scaling: llama3, but checkpoint", "trained with none")
+
+
 def test_resuming_onto_other_data_is_one_line_exit_2_naming_the_key(corpus, tmp_path, capsys, four_steps):
     """The checkpoint's loader position belongs to its token cache: another corpus, or the same one
     prepared differently, is refused before any rank starts (it resumed silently)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import ROPE_SCALING_KEYS, Config, ConfigError
 from meshlm.train.checkpoint.store import (META, CheckpointError, CheckpointReader, list_checkpoints, newest_good,
                                            read_manifest, verify, verify_files)
 
@@ -49,6 +49,13 @@ def check_compatible(path: Path, cfg: Config, warn) -> None:
         if key in saved and saved[key] != getattr(cfg.model, key):
             raise ConfigError(f"model.{key}: {getattr(cfg.model, key)}, but checkpoint {path} was trained with "
                               f"{saved[key]} (the weights have the same shapes, split into other heads)")
+    for key in ("rope_scaling", *ROPE_SCALING_KEYS):  # a checkpoint from before these keys: no scaling
+        theirs = saved.get(key)
+        if theirs is None and key == "rope_scaling":
+            theirs = "none"
+        if theirs != getattr(cfg.model, key):
+            raise ConfigError(f"model.{key}: {getattr(cfg.model, key)}, but checkpoint {path} was trained with "
+                              f"{theirs} (other rope frequencies: the same weights would compute another function)")
     changed = [f"model.{k} {saved[k]} -> {getattr(cfg.model, k)}" for k in ("rope_theta", "norm_eps")
                if k in saved and saved[k] != getattr(cfg.model, k)]
     if changed:
