@@ -95,9 +95,33 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_run_equals_one_process(corpus, tmp_path, reference, layout):
-    ref_losses, ref_grads, ref_weights, _ = reference
     world, extra = LAYOUTS[layout]
     results = run_ranks(_losses_grads_weights, world, corpus, tmp_path / layout, world, *extra, timeout=300)
+    _assert_equal_runs(results, reference)
+
+
+# Llama 3.1's rope scaling on an 8-token original context: the 32-token windows (16 per cp rank)
+# lie past it, so each rank's tokens need the scaled frequencies at their global positions.
+LLAMA3 = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+          "model.rope_high_freq_factor=4", "model.rope_original_max_seq_len=8"]
+
+
+@pytest.fixture(scope="module")
+def scaled_reference(corpus, tmp_path_factory):
+    return _losses_grads_weights(corpus, tmp_path_factory.mktemp("one-scaled"), 1, *LLAMA3)
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2-pp2"])
+def test_a_llama3_scaled_context_parallel_run_equals_one_process(corpus, tmp_path, reference, scaled_reference, layout):
+    # the scaling changes the model here: far more than the tolerance below
+    assert max(abs(a - b) for a, b in zip(scaled_reference[0], reference[0])) > 2e-5, (scaled_reference[0], reference[0])
+    world, extra = LAYOUTS[layout]
+    results = run_ranks(_losses_grads_weights, world, corpus, tmp_path / layout, world, *extra, *LLAMA3, timeout=300)
+    _assert_equal_runs(results, scaled_reference)
+
+
+def _assert_equal_runs(results, reference):
+    ref_losses, ref_grads, ref_weights, _ = reference
     for losses, grads, weights, rank in results:
         assert losses == pytest.approx(ref_losses, abs=1e-5), rank
         if grads is not None and rank == 0:
@@ -273,6 +297,19 @@ def test_ring_attention_uses_the_devices_kernel_unless_told_not_to():
 
     comm = Comm(ParallelContext(Layout()))
     assert RingAttention(comm).ring.fused is True and RingAttention(comm, fused=False).ring.fused is False
+
+
+def test_load_balanced_rotary_gives_each_rank_the_scaled_tables_of_its_global_positions():
+    from meshlm.model.llama import Llama3Scaling, RotaryEmbedding
+    from meshlm.parallel.context import LoadBalancedRotary
+
+    scaling = Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8)
+    full = RotaryEmbedding(16, 32, 10000.0, scaling)
+    assert not torch.equal(full.cos, RotaryEmbedding(16, 32, 10000.0).cos)
+    for rank in range(2):
+        cos, sin = LoadBalancedRotary(full, cp=2, rank=rank)(16)
+        positions = local_positions(32, 2, rank)
+        assert torch.equal(cos, full.cos[positions]) and torch.equal(sin, full.sin[positions])
 
 
 def test_load_balanced_rotary_refuses_a_full_sequence_past_max_seq_len():
