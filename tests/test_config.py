@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+import tomllib
 import types
 import typing
 
@@ -137,6 +138,8 @@ LLAMA3 = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_fr
 def test_llama3_rope_scaling_takes_all_four_numbers_or_none():
     cfg = resolve(load_config(None, LLAMA3))
     assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.rope_original_max_seq_len) == ("llama3", 8.0, 128)
+    assert resolve(load_config(None, [f"model.{k}={v}" for k, v in tomllib.loads(to_toml(cfg))["model"].items()
+                                      if k.startswith("rope_")])).model == cfg.model  # config.toml keeps them
     assert resolve(load_config(None, [])).model.rope_scaling == "none"
 
     def refused(overrides) -> str:

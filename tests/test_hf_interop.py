@@ -318,7 +318,9 @@ def test_a_llama3_scaled_model_imports_trains_and_exports_with_its_scaling(corpu
     with torch.no_grad():
         ours, theirs = trainer.model(tokens), exported(input_ids=tokens).logits
     assert (ours - theirs).abs().max() <= 1e-4
-    # and the export, imported again, is the same model
+    # a meshlm checkpoint as init_from carries the scaling too, and so does the export imported again
+    from_checkpoint = small_cfg(corpus, tmp_path / "ckpt", 1, f"model.init_from={tmp_path / 'run'}", "train.seq_len=64")
+    assert dataclasses.replace(from_checkpoint.model, init_from=None) == dataclasses.replace(m, init_from=None)
     again = small_cfg(corpus, tmp_path / "again", 1, f"model.init_from={tmp_path / 'export'}", "train.seq_len=64")
     assert dataclasses.replace(again.model, init_from=None) == dataclasses.replace(m, init_from=None)
 
