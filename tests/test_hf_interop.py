@@ -451,7 +451,10 @@ def test_bad_init_from_is_one_line_exit_2(corpus, tmp_path, capsys):
     for rope, expected in [({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn' is not"),
                            ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not"),
                            ({"rope_scaling": llama3, "rope_parameters": {"rope_type": "longrope"}}, "'longrope' is not"),
-                           ({"rope_scaling": {**llama3, "factor": None}}, "llama3 rope scaling has no number factor")]:
+                           ({"rope_scaling": {**llama3, "factor": None}}, "llama3 rope scaling has no number factor"),
+                           ({"rope_scaling": {**llama3, "factor": 0.5}}, "scaling gives model.rope_factor: must be >= 1"),
+                           ({"rope_parameters": {**llama3, "high_freq_factor": 1.0}},
+                            "gives model.rope_high_freq_factor: 1.0 must exceed")]:
         (scaled / "config.json").write_text(json.dumps({
             "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "intermediate_size": 96, "vocab_size": 512, **rope}))

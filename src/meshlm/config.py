@@ -337,7 +337,7 @@ def _require(ok: bool, message: str) -> None:
 ROPE_SCALING_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
 
-def _check_rope_scaling(m: ModelConfig) -> None:
+def check_rope_scaling(m: ModelConfig) -> None:
     """model.rope_scaling=llama3 needs its four numbers (and a non-empty blend band); without
     scaling, none of them may be set (they would silently do nothing)."""
     if m.rope_scaling == "none":
@@ -360,7 +360,7 @@ def validate(cfg: Config, world_size: int) -> None:
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     _require(m.dim % m.n_heads == 0, f"model.dim: {m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require(m.head_dim % 2 == 0, f"model.dim: head dim {m.head_dim} (dim / n_heads) must be even for RoPE")
-    _check_rope_scaling(m)
+    check_rope_scaling(m)
     _require(m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
              f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     _require(m.vocab_size >= 260 or d.tokenizer is not None,

@@ -155,6 +155,15 @@ def _rope_fields(hf: dict, where: Path) -> dict:
         fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
                       rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]), rope_original_max_seq_len=int(original))
+        from meshlm.config import ModelConfig, check_rope_scaling
+        from meshlm.config_ranges import RANGES
+
+        try:  # numbers out of range are the file's fault, not a key the user set: name the file
+            for name, value in fields.items():
+                RANGES[f"model.{name}"].check(f"model.{name}", value)
+            check_rope_scaling(ModelConfig(**fields))
+        except ConfigError as e:
+            raise ConfigError(f"model.init_from: {where / HF_CONFIG}: its llama3 rope scaling gives {e}") from None
     return fields
 
 
