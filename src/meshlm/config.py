@@ -284,7 +284,9 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
     and validate everything."""
     m = cfg.model
     if m.init_from is not None:
-        _take_init_source(cfg)
+        from meshlm.train.checkpoint.hf import take_init_source
+
+        take_init_source(cfg)
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {m.preset!r} (known: {', '.join(PRESETS)})")
     if m.vocab_size is None and cfg.data.tokenizer is not None:  # the embedding follows a pretrained tokenizer
@@ -309,24 +311,6 @@ def resolve(cfg: Config, world_size: int = 1) -> Config:
 
         open_weights(Path(m.init_from), m)
     return cfg
-
-
-def _take_init_source(cfg: Config) -> None:
-    """model.init_from: the source's shape becomes the model's, and its tokenizer (if it has one)
-    the data's unless data.tokenizer names another. An override that contradicts the source is
-    an error naming the key (model.norm_eps has a default, not None, so it is simply taken)."""
-    from meshlm.train.checkpoint.hf import init_source, init_source_fields
-
-    source = init_source(Path(cfg.model.init_from))
-    cfg.model.init_from = str(source)  # a run directory: its newest checkpoint, recorded in config.toml
-    for name, value in init_source_fields(source).items():
-        ours = getattr(cfg.model, name)
-        if name != "norm_eps" and ours is not None and ours != value:
-            raise ConfigError(f"model.{name}: {ours} contradicts model.init_from={source}, whose model has "
-                              f"{name} = {value}; leave model.{name} unset")
-        setattr(cfg.model, name, value)
-    if cfg.data.tokenizer is None and (source / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(source)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -407,6 +391,3 @@ def validate(cfg: Config, world_size: int) -> None:
                  f"{pretrained.path} ({pretrained.n_ids} ids)")
     _require(cfg.debug.fault_rank < world_size,
              f"debug.fault_rank: must be in 0..{world_size - 1}, got {cfg.debug.fault_rank}")
-
-
-# --------------------------------------------------------------------------- writing

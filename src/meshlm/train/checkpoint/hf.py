@@ -225,6 +225,22 @@ def init_source_fields(path: Path) -> dict:
     return model_fields_from_hf(read_llama_config(path), path)
 
 
+def take_init_source(cfg) -> None:
+    """model.init_from: the source's shape becomes the model's, and its tokenizer (if it has one)
+    the data's unless data.tokenizer names another. An override that contradicts the source is
+    an error naming the key (model.norm_eps has a default, not None, so it is simply taken)."""
+    source = init_source(Path(cfg.model.init_from))
+    cfg.model.init_from = str(source)  # a run directory: its newest checkpoint, recorded in config.toml
+    for name, value in init_source_fields(source).items():
+        ours = getattr(cfg.model, name)
+        if name != "norm_eps" and ours is not None and ours != value:
+            raise ConfigError(f"model.{name}: {ours} contradicts model.init_from={source}, whose model has "
+                              f"{name} = {value}; leave model.{name} unset")
+        setattr(cfg.model, name, value)
+    if cfg.data.tokenizer is None and (source / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(source)
+
+
 # --------------------------------------------------------------------------- weights
 
 
