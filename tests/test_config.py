@@ -200,6 +200,9 @@ def _meshlm(*args):
     (["nosuchcommand"], "nosuchcommand"),
     (["bench", "gpu", "--steps", "x"], "--steps"),
     (["simulate", "pipeline", "--pp", "x"], "--pp"),
+    (["bench", "data", "--pairs", "x"], "--pairs"),
+    (["bench", "comm", "--sizes", "x"], "--sizes"),  # its own check after argparse's
+    (["bench", "dp", "--steps", "x"], "--steps"),
 ])
 def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
     """Through meshlm.cli.main in this process (what `python -m meshlm.cli` runs; an exception that

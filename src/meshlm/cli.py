@@ -14,9 +14,8 @@ from pathlib import Path
 
 from meshlm.config import ConfigError, RunError
 from meshlm.debug.commands import cmd_debug, cmd_doctor, debug_parser, doctor_parser
-from meshlm.errors import usage_error
+from meshlm.errors import OneLineErrorParser, usage_error
 from meshlm.train.command import cmd_train, train_parser
-from meshlm.errors import OneLineErrorParser
 
 
 _fail_usage = usage_error  # errors.py: one line, exit 2 (debug/commands.py uses it too)

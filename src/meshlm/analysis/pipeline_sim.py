@@ -30,11 +30,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from meshlm.errors import unwritable
+from meshlm.errors import OneLineErrorParser, unwritable
 from meshlm.parallel.pipeline.schedules import (BACKWARD, FORWARD, REDUCE_GRADS, SCHEDULES, Instruction,
                                                 PipelineShape, ScheduleError, build_schedule, p2p_batches,
                                                 peak_in_flight)
-from meshlm.errors import OneLineErrorParser
 
 
 class SimulationDeadlock(RuntimeError):

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from meshlm.bench.report import (bench_row, emit, loss_check_passed, parse_checked,
                                  prepare_cpu_rank, run_on_ranks)
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
-from meshlm.train.memtrack import measure_peak_bytes
 from meshlm.errors import OneLineErrorParser
+from meshlm.train.memtrack import measure_peak_bytes
 
 LOSS_TOLERANCE = 1e-4  # fp32, per token: the two rings only sum the same blocks in a different order
 

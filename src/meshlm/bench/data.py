@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.errors import OneLineErrorParser
+
 _CHILD_PREPARE = """
 import json, sys, time
 from meshlm.config import DataConfig
@@ -49,7 +51,6 @@ import json, os, sys, time
 from pathlib import Path
 from tokenizers import Tokenizer
 from meshlm.train.tokenizer import split_for_encoding
-from meshlm.errors import OneLineErrorParser
 tokenizer = Tokenizer.from_file({tokenizer!r})
 files, budget, texts = sorted(Path({path!r}).rglob("*.txt")), {limit}, []
 for f in files:

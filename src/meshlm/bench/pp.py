@@ -26,8 +26,8 @@ from torch import nn
 
 from meshlm.bench.report import (bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
                                  run_and_emit)
-from meshlm.train.memtrack import measure_peak_bytes
 from meshlm.errors import OneLineErrorParser
+from meshlm.train.memtrack import measure_peak_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
 # Per step, fp32: the same stages and schedule give the same losses (0 in every recorded run); a

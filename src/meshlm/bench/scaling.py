@@ -39,8 +39,7 @@ from meshlm.bench.dp import reference_label
 from meshlm.bench.report import (bench_row, below_minimum, cpu_times, emit, load_average,
                                   parse_args, prepare_cpu_rank, steal_fraction, usable_cores)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
-from meshlm.errors import unwritable
-from meshlm.errors import OneLineErrorParser
+from meshlm.errors import OneLineErrorParser, unwritable
 
 # engine -> (meshlm's label, the reference, the ZeRO stage of bench dp's engines; None: TP)
 ENGINES = {"ddp": ("meshlm DDP", "torch DDP", 0), "zero3": ("meshlm ZeRO-3", "fully_shard", 3),

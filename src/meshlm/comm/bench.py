@@ -30,10 +30,9 @@ import torch.distributed as dist
 from meshlm.comm.cost import (HARDWARE, Link, Topology, bus_factor, fit_alpha_beta, load_profile, op_time,
                               save_profile, steps)
 from meshlm.comm.recorder import FlightRecorder
-from meshlm.errors import unwritable
+from meshlm.errors import OneLineErrorParser, unwritable
 from meshlm.comm.traced import P2P, Comm, all_gather_single, reduce_scatter_single
 from meshlm.mesh import Layout, ParallelContext, default_backend
-from meshlm.errors import OneLineErrorParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 FIT_CHECK_MIN_BYTES = 64 * 1024  # the fit is judged on messages >= 64 KiB (below, latency noise rules)
@@ -295,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             flag = "--max-bytes"
             sizes = default_sizes(lo, parse_size(args.max_bytes))
     except ValueError as e:
-        parser.print_usage(sys.stderr)
         print(f"meshlm bench comm: error: {flag}: {e}", file=sys.stderr)
         return 2
     ops = args.ops.split(",")
