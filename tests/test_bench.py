@@ -298,3 +298,21 @@ def test_bench_tp_engines_clip_gradients_as_bench_dps_do():
     """bench scaling measures TP against a one-rank baseline that clips: both TP sides clip too."""
     for moved in run_ranks(_tp_clip_rank, 2, timeout=120):
         assert moved["meshlm+sp"] > 1e-6 and moved["dtensor+sp"] > 1e-6, moved
+
+
+@pytest.mark.parametrize("name", ["comm", "cp", "data", "dp", "gpu", "pp", "scaling", "tp"])
+def test_bench_help_describes_the_bench_in_a_whole_sentence(name, capsys):
+    """`meshlm bench NAME --help` opens with its module's first sentence, not the docstring's first
+    line: `bench gpu` and `bench scaling` wrap theirs, and their help stopped mid-sentence ("one GPU,")."""
+    import re
+
+    from meshlm.cli import main
+
+    try:
+        code = main(["bench", name, "--help"])
+    except SystemExit as e:  # bench data's parser exits itself
+        code = e.code
+    assert not code
+    help_text = capsys.readouterr().out
+    description = " ".join(help_text.split("\n\n")[1].split())
+    assert re.match(rf"`meshlm bench {name}\b", description) and description.endswith("."), description

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import (bench_row, emit, loss_check_passed, parse_checked,
+from meshlm.bench.report import (first_sentence, bench_row, emit, loss_check_passed, parse_checked,
                                  prepare_cpu_rank, run_on_ranks)
 from meshlm.bench.report import cpu_times, load_average, steal_fraction
 from meshlm.errors import OneLineErrorParser
@@ -341,7 +341,7 @@ def _print(rows: list[dict], as_json: bool, **context) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="meshlm bench cp", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="meshlm bench cp", description=first_sentence(__doc__))
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="cp ranks to fork when not under torchrun")
     parser.add_argument("--preset", default="tiny")

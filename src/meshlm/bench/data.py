@@ -169,7 +169,9 @@ def run(opts) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineErrorParser(prog="meshlm bench data", description=__doc__.splitlines()[0])
+    from meshlm.bench.report import first_sentence
+
+    p = OneLineErrorParser(prog="meshlm bench data", description=first_sentence(__doc__))
     p.add_argument("--size-mb", type=int, default=1024, help="generated corpus size (default 1 GB)")
     p.add_argument("--reference-mb", type=int, default=64, help="corpus prefix of the paired throughput runs")
     p.add_argument("--pairs", type=int, default=3, help="paired runs, meshlm and reference alternating")

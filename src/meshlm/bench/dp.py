@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshlm.bench.report import (bench_row, below_minimum, parse_args, prepare_cpu_rank,
+from meshlm.bench.report import (first_sentence, bench_row, below_minimum, parse_args, prepare_cpu_rank,
                                  run_and_emit)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 from meshlm.errors import OneLineErrorParser
@@ -224,7 +224,7 @@ def _bench_rank(opts) -> list[dict]:
 
 
 def _parse(argv):
-    p = OneLineErrorParser(prog="meshlm bench dp", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench dp", description=first_sentence(__doc__))
     p.add_argument("--zero", default="0,1,2,3", help="comma-separated stages (0 = DDP)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to fork (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=6, help="timed pairs per stage")

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from meshlm.bench.report import bench_row, emit, load_average, parse_args
+from meshlm.bench.report import first_sentence, bench_row, emit, load_average, parse_args
 from meshlm.bench.timing import alternate, measured_peak, random_batch
 from meshlm.errors import OneLineErrorParser
 
@@ -229,7 +229,7 @@ def _list(text: str, kind, flag: str, p) -> list:
 
 
 def _parse(argv):
-    p = OneLineErrorParser(prog="meshlm bench gpu", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench gpu", description=first_sentence(__doc__))
     p.add_argument("--presets", help=f"comma-separated model presets (default {GPU_DEFAULTS['presets']}; "
                                      f"--device cpu: {CPU_SMOKE['presets']})")
     p.add_argument("--seq", help=f"comma-separated sequence lengths (default {GPU_DEFAULTS['seq']})")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.bench.report import (bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
+from meshlm.bench.report import (first_sentence, bench_row, loss_check_passed, parse_checked, prepare_cpu_rank,
                                  run_and_emit)
 from meshlm.errors import OneLineErrorParser
 from meshlm.train.memtrack import measure_peak_bytes
@@ -197,7 +197,7 @@ def _bench_rank(a: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="meshlm bench pp", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="meshlm bench pp", description=first_sentence(__doc__))
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="pipeline ranks to fork when not under torchrun")
     parser.add_argument("--schedule", choices=("all", *VIRTUAL), default="all")

@@ -121,6 +121,18 @@ def run_and_emit(rank_fn: Callable[[Any], list[dict]], params: Any, nproc: int, 
         emit(rows, as_json, **extra, load_average=load_average(), cpu_steal_fraction=steal_fraction(before, cpu_times()))
 
 
+def first_sentence(doc: str) -> str:
+    """A bench module's docstring up to the end of its first sentence (the lines up to the first
+    one ending in a full stop), for its --help: `bench gpu` and `bench scaling` wrap that sentence
+    over two lines, and their first line alone stopped mid-sentence."""
+    lines = []
+    for line in doc.strip().splitlines():
+        lines.append(line.strip())
+        if not line.strip() or line.rstrip().endswith("."):
+            break
+    return " ".join(part for part in lines if part)
+
+
 def below_minimum(opts: Any, minimums: dict[str, int]) -> str | None:
     """The first option of `minimums` ({attribute: least value}) below its least value, as
     '--name: must be >= m, got v'; None if all are in range."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from meshlm.bench.dp import reference_label
-from meshlm.bench.report import (bench_row, below_minimum, cpu_times, emit, load_average,
+from meshlm.bench.report import (first_sentence, bench_row, below_minimum, cpu_times, emit, load_average,
                                   parse_args, prepare_cpu_rank, steal_fraction, usable_cores)
 from meshlm.bench.timing import alternate, exposed_share, measured_peak, random_batch
 from meshlm.errors import OneLineErrorParser, unwritable
@@ -226,7 +226,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _parse(argv):
-    p = OneLineErrorParser(prog="meshlm bench scaling", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="meshlm bench scaling", description=first_sentence(__doc__))
     p.add_argument("--nproc", default="1,2,4,8", help="comma-separated world sizes (W=1 is always measured)")
     p.add_argument("--mode", choices=("weak", "strong"), default="weak")
     p.add_argument("--engines", default="ddp,zero3,tp", help="comma-separated: ddp, zero3, tp")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.bench.report import bench_row, parse_checked, prepare_cpu_rank, run_and_emit
+from meshlm.bench.report import first_sentence, bench_row, parse_checked, prepare_cpu_rank, run_and_emit
 from meshlm.bench.timing import alternate, measured_peak, random_batch
 from meshlm.errors import OneLineErrorParser
 
@@ -163,7 +163,7 @@ def _bench_rank(args_dict: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="meshlm bench tp", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="meshlm bench tp", description=first_sentence(__doc__))
     parser.add_argument("--json", action="store_true", help="print DESIGN.md's JSON rows")
     parser.add_argument("--nproc", type=int, default=2, help="tp ranks to fork when not under torchrun")
     parser.add_argument("--preset", default="tiny")

@@ -258,7 +258,9 @@ def profile_of(report: dict, command: str) -> Topology:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="meshlm bench comm", description=__doc__.splitlines()[0])
+    from meshlm.bench.report import first_sentence
+
+    p = OneLineErrorParser(prog="meshlm bench comm", description=first_sentence(__doc__))
     p.add_argument("--nproc", type=int, default=2, help="local ranks to fork (ignored under torchrun)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "fit": {...}, ...}')
     p.add_argument("--sizes", help="comma-separated message sizes, e.g. 64K,1M,16M (default: powers of 2)")
