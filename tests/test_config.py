@@ -337,3 +337,24 @@ def test_an_override_that_reads_as_a_number_is_text_for_a_text_key():
     assert (cfg.run.dir, cfg.run.sample_prompt) == ("2024", "42")
     with pytest.raises(ConfigError, match="train.steps: expected an integer"):
         load_config(None, ["train.steps=abc"])
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_a_reader_that_goes_away_gets_no_traceback(unbuffered):
+    """`meshlm generate ... | head -3`: the reader closes the pipe before the output is written. The
+    command ends quietly, exit 1 (a runtime failure), not with a BrokenPipeError traceback from its
+    print (unbuffered stdout) or Python's 'Exception ignored' at exit (buffered)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import meshlm
+
+    code = "import sys; from meshlm.cli import entry; sys.argv[0] = 'meshlm'; raise SystemExit(entry())"
+    env = dict(os.environ, PYTHONPATH=str(Path(meshlm.__file__).parents[1]), PYTHONUNBUFFERED=unbuffered)
+    proc = subprocess.Popen([sys.executable, "-c", code, "simulate", "pipeline", "--schedule", "1f1b", "--pp", "4",
+                             "--microbatches", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before the child, still importing, writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -281,8 +281,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> int:
     """The `meshlm` command: `main`, then a quick exit. Freezing the objects left skips the garbage
-    collector's last pass over every torch object at interpreter exit (~0.5-1 s per process)."""
-    code = main()
+    collector's last pass over every torch object at interpreter exit (~0.5-1 s per process).
+    A reader that went away (`meshlm generate ... | head -3`) ends the command quietly, exit 1:
+    its output has nowhere to go, which is no reason for a traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()  # buffered output meets the closed pipe here, not at interpreter exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
     import gc
 
     gc.freeze()
