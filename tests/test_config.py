@@ -358,3 +358,11 @@ def test_a_reader_that_goes_away_gets_no_traceback(unbuffered):
     proc.stdout.close()  # before the child, still importing, writes anything
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_generate_help_names_every_source_it_reads(capsys):
+    """`meshlm generate --checkpoint` reads a run directory, a final/ directory or a checkpoint
+    directory (weights.load_trained; docs/checkpointing.md); its --help named only the first two."""
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "a checkpoint directory" in " ".join(capsys.readouterr().out.split())

@@ -25,8 +25,11 @@ _fail_usage = usage_error  # errors.py: one line, exit 2 (debug/commands.py uses
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a trained model")
-    p.add_argument("--checkpoint", required=True, help="a run directory or its final/ directory")
+    p = sub.add_parser("generate", help="sample text from a trained model",
+                       description="Continue a prompt with a trained model (any layout's checkpoint, or final/).")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory (its final/, else its newest good checkpoint), a final/ directory or a "
+                        "checkpoint directory")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
