@@ -489,6 +489,16 @@ def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
     assert (other / "model-00001-of-00002.safetensors").read_bytes() == b"weights"
 
 
+def test_an_export_out_under_a_file_is_bad_usage(saved, tmp_path, capsys):
+    """`--out a_file/x` cannot be made: exit 2 naming --out, as `meshlm import --out` and run.dir
+    say (it was exit 1 with a bare "[Errno 17] File exists: 'a_file'")."""
+    _, checkpoint, _ = saved("single-untied")
+    (tmp_path / "a_file").write_text("")
+    line = in_process_fails(capsys, "export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a_file" / "x"),
+                            code=2)
+    assert line.startswith("meshlm: error: --out: ") and "a_file is not a directory" in line, line
+
+
 def test_export_into_the_working_directory(saved, tmp_path, monkeypatch):
     _, checkpoint, _ = saved("single-untied")
     (tmp_path / "here").mkdir()

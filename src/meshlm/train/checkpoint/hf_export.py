@@ -157,7 +157,10 @@ EXPORTED = (HF_WEIGHTS, HF_CONFIG, "tokenizer.json", TOKENIZER_CONFIG)  # what a
 def _check_out(out: Path) -> None:
     """`out` may be new, empty, or an earlier export (replaced whole: nothing in it but what an
     export writes); anything else is kept safe, another model's directory above all."""
-    if not out.exists():
+    if not out.exists():  # it, or the nearest part of its path that exists, must be a directory
+        found = next(p for p in out.parents if p.exists())
+        if not found.is_dir():
+            raise ConfigError(f"--out: {out} cannot be made: {found} is not a directory")
         return
     foreign = [] if not out.is_dir() else sorted(p.name for p in out.iterdir() if p.name not in EXPORTED)
     if not out.is_dir() or foreign or (any(out.iterdir()) and not (out / HF_CONFIG).is_file()):
