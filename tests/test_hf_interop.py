@@ -545,6 +545,9 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert meshlm_main(["import", "--hf", str(other), "--out", str(trained), "--force"]) == 0
     (aside,) = trained.glob("checkpoints.old-*")
     assert f"moved the checkpoints it replaces to {aside}" in capsys.readouterr().out
+    assert meshlm_main(["import", "--hf", str(other), "--out", str(trained), "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"source": str(other), "out": str(trained / "final"),
+                                                   "moved_checkpoints": None}  # nothing left to move
     assert not (trained / "checkpoints").exists() and list(aside.glob("step_*"))
     assert meshlm_main(["export", "--checkpoint", str(trained), "--out", str(tmp_path / "again")]) == 0
     imported, exported = load_file(other / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")

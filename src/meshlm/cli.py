@@ -116,6 +116,7 @@ def _import_parser(sub) -> None:
     p.add_argument("--hf", required=True, help="a Hugging Face Llama directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--out", required=True, help="the run directory to write final/ into")
     p.add_argument("--force", action="store_true", help="replace a model the run directory already holds")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def cmd_import(args) -> int:
@@ -126,6 +127,12 @@ def cmd_import(args) -> int:
     except OSError as e:  # a full disk, a permission: runtime failures, one line as export's
         print(f"meshlm: error: {e}", file=sys.stderr)
         return 1
+    if args.json:
+        import json
+
+        print(json.dumps({"source": str(args.hf), "out": str(final),
+                          "moved_checkpoints": None if aside is None else str(aside)}))
+        return 0
     print(f"meshlm: imported {args.hf} to {final}")
     if aside is not None:
         print(f"meshlm: moved the checkpoints it replaces to {aside}")
