@@ -88,14 +88,16 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=gpipe", "model.dim=128", "model.n_heads=8",
                 "model.n_kv_heads=4", "model.ffn_dim=352", "model.vocab_size=1612", "train.seq_len=16",
                 "train.micro_batch_size=5", "train.global_batch_size=40")),
+    # ZeRO-2 at one data-parallel rank: its gradient shard (the whole gradient) is made when the
+    # second bucket launches, inside the top block's MLP or before the top block (-14% before)
+    (1, "shm", ("parallel.zero=2",)),
+    (2, "shm", ("parallel.pp=2", "parallel.zero=2")),
 ]
 # Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
 NOT_YET: list[tuple[int, str, tuple[str, ...]]] = [
-    # ZeRO-2/3 at one data-parallel rank (pp or tp alone): when the gradient shard appears in the
-    # first backward, FSDP's gathered units, and AdamW's held denominator over the whole root unit
-    (1, "shm", ("parallel.zero=2",)),
+    # ZeRO-3 at one data-parallel rank (pp or tp alone): FSDP's gathered units, and AdamW's held
+    # denominator over the whole root unit
     (1, "shm", ("parallel.zero=3",)),
-    (2, "shm", ("parallel.pp=2", "parallel.zero=2")),
     (2, "shm", ("parallel.pp=2", "parallel.zero=3", "model.tie_embeddings=false")),
     # the last stage's deferring forward under autocast and full recompute (+10%)
     (2, "shm", ("parallel.pp=2", "train.dtype=bfloat16", "train.recompute=full")),

@@ -202,10 +202,26 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         transient = incoming + sp_gathered + max(tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg),
                                                  3 * norm_tokens * m.dim * 4)
         during = s.gathered_backward + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
+        shard_inside = bool(s.shard_after) and not grads  # ZeRO-2's shard made inside the top block
+        if s.shard_after == 0 and not grads:
+            # ZeRO-2's shard made before the top block, at the final norm's (or the stage's first
+            # bucket's) gradient: the head's bucket, reduced, is added into it; after it the bucket
+            # in flight is the next one
+            point("block backward", live, True, s.gathered_backward + s.in_flight + s.tied_waiting + incoming
+                  + sp_gathered)
+            during += s.shard_in_flight - s.in_flight
         # the top block: it owes the head's (its own output gradients are the transients above)
-        point("block backward", live, grads or s.grads_early,
+        point("block backward", live, grads or s.grads_early or s.shard_after == 0,
               during + (deferred_wgrad_bytes(cfg, stage, layers=0) if defers else 0))
-        if s.grads_after_top_block and not grads:
+        if shard_inside:
+            # ZeRO-2's shard made inside the top block's backward (at one data-parallel rank the
+            # whole gradient): the MLP's saved tensors whose backward precedes those weight
+            # gradients are gone by then: w2's input (the product) once w2's is made; up and
+            # silu(gate), saved by the product's backward, which w3's (up's) needs; gate, saved by
+            # silu's backward, which w1's needs (the gradients they leave are the transients)
+            mlp = tokens * m.ffn_dim // p.tp * activation_itemsize(cfg)
+            point("block backward", live + during - mlp * min(4, 2 * s.shard_after - 1), True, 0)
+        elif s.grads_after_top_block and not grads:
             point("block backward", live - block_saved, True, during)
         # its first block: one block's activations left, the other blocks' gradients made
         rest = live - saved[stage] + (head if stage == last else 0)
@@ -214,7 +230,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         first_share = made
         if new_chunk:
             first_share += chunk_share(stage) - (counts["embedding"] * (stage == 0) + layer_parameters(m, p.tp)) / n
-        point("block backward", rest + block_saved, True, during + above, first_share)
+        # (a chunk of one block whose shard is made inside it: the point above has it)
+        point("block backward", rest + block_saved, not (shard_inside and layers[stage] == 1), during + above,
+              first_share)
         if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
             point("gradient reduction", live - block_saved, grads, s.reduction)
         grads = True

@@ -207,13 +207,20 @@ class EngineState:
     grads_early: bool = True  # the gradient storage exists from a backward's first gradient (zero 0/1)
                               # rather than from its first reduction (zero 2/3: the shard)
     grads_one_by_one: bool = False  # DDP at one rank: autograd's own .grad tensors, parameter by parameter
-    grads_after_top_block: bool = False  # ZeRO-2: the shard is made when the head's bucket is reduced
+    grads_after_top_block: bool = False  # ZeRO-2: the shard is made when the head's bucket is reduced,
+                                         # after the top block unless `shard_after` says where
+    shard_after: int | None = None  # ZeRO-2: the top block's parameters with gradients when the shard
+                                    # is made (0: before that block); None: after the top block
+    shard_in_flight: float = 0  # ZeRO-2: the bucket in flight once the first bucket's reduction is done
     root_share: float = 0  # FSDP: the root unit's share of the gradient shards, made at its reduction,
                            # the first backward's last (the embedding's gradient completes it)
     tied_waiting: float = 0  # a tied table (one stage): the head's gradient, held by autograd until the
                              # embedding's arrives, through every block's backward
     widened: float = 0  # ZeRO-1 in bf16: the last bucket's fp32 copy, made when the syncing backward
                         # launches it (inside that backward), alive to finish_backward
+
+
+BLOCK_TENSORS = 9  # a block's parameter tensors (parameter_sizes)
 
 
 def parameter_sizes(cfg: Config, pp_rank: int) -> list[int]:
@@ -224,23 +231,33 @@ def parameter_sizes(cfg: Config, pp_rank: int) -> list[int]:
     counts = rank_parameters(cfg, pp_rank)
     hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
     q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
-    block = [f, f, f, m.dim, q, m.dim * kv * hd, m.dim * kv * hd, q, m.dim]
+    block = [f, f, f, m.dim, q, m.dim * kv * hd, m.dim * kv * hd, q, m.dim]  # BLOCK_TENSORS of them
     head = [counts["head"]] if counts["head"] else []
     norm = [counts["norm"]] if counts["norm"] else []
     layers = len(stage_layers(cfg)[pp_rank])
     return head + norm + block * layers + ([counts["embedding"]] if counts["embedding"] else [])
 
 
-def bucket_sizes(sizes: list[int], cap: int, align: int) -> list[int]:
-    """parallel/flat_buffer.py's FlatLayout: a bucket closes once it holds `cap` elements or more
-    (so it can reach cap + a parameter - 1), and a parameter of `cap` or more has its own."""
+def bucket_ends(sizes: list[int], cap: int) -> list[int]:
+    """parallel/flat_buffer.py's FlatLayout: the index (in `sizes`) of each bucket's last
+    parameter. A bucket closes once it holds `cap` elements or more (so it can reach cap + a
+    parameter - 1), and a parameter of `cap` or more has its own."""
     out, current = [], 0
-    for n in sizes:
+    for i, n in enumerate(sizes):
         if current and (current >= cap or n >= cap):
-            out.append(-(-current // align) * align)
+            out.append(i - 1)
             current = 0
         current += n
-    return out + [-(-current // align) * align]
+    return out + [len(sizes) - 1]
+
+
+def bucket_sizes(sizes: list[int], cap: int, align: int) -> list[int]:
+    """Elements of each FlatLayout bucket (`bucket_ends`), padded to a multiple of `align`."""
+    out, lo = [], 0
+    for end in bucket_ends(sizes, cap):
+        out.append(-(-sum(sizes[lo:end + 1]) // align) * align)
+        lo = end + 1
+    return out
 
 
 def largest_block_weight(cfg: Config) -> int:
@@ -309,7 +326,17 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
         # filled in the blocks' backward is as the layout cuts it (FlatLayout closes a bucket once
         # it reaches the cap, so it can hold the cap plus a parameter less one element: a block
         # and a half of a small model), not the nominal cap.
-        buckets = bucket_sizes(parameter_sizes(cfg, pp_rank), max(1, stage2_bucket_bytes(item * n) // item), d)
+        sizes, cap = parameter_sizes(cfg, pp_rank), max(1, stage2_bucket_bytes(item * n) // item)
+        buckets = bucket_sizes(sizes, cap, d)
+        after_first = (4 + copies) * (buckets[1] if len(buckets) > 1 else 0)  # in flight once the first is reduced
+        # The shard is made when the first bucket's reduction completes, waited for as the second
+        # is launched (zero.py `_launch`), i.e. once the second bucket's last parameter has its
+        # gradient: counted in the top block's parameters (layout order: w2, w3, w1, ...) whose
+        # gradients exist by then; 0: before the top block (the final norm's); None: after it.
+        shard_after = None
+        ends, outside = bucket_ends(sizes, cap), bool(counts["head"]) + bool(counts["norm"])
+        if len(ends) > 1 and ends[1] - outside + 1 <= BLOCK_TENSORS and counts["layers"]:
+            shard_after = max(0, ends[1] - outside + 1)
         if counts["embedding"] and len(buckets) > 1:
             buckets = buckets[:-1]  # the embedding's (last) bucket: the embedding backward's point
         filled = max(buckets[1:] or buckets)  # (the first is the head's, staged at its backward)
@@ -320,7 +347,8 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
                            embedding_grad=max(item * embedding_grad, item * counts["embedding"] + 4 * last),
                            reduction=(4 + copies) * last, step=shard_step,
                            grads_early=False,
-                           grads_after_top_block=True, finishes_in_backward=True)
+                           grads_after_top_block=True, shard_after=shard_after, shard_in_flight=after_first,
+                           finishes_in_backward=True)
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
