@@ -118,7 +118,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     boundary = 0  # stage-boundary tensors the pipeline engine holds beside the compute (boundary_held_bytes)
 
     def point(phase: str, activations: float, grads: bool, other: float, grad_share: float | None = None) -> None:
-        share = (made if grad_share is None else grad_share) - (s.root_share if root_pending else 0)
+        share = made if grad_share is None else grad_share
+        if fsdp:  # the shards made so far (or the share given)
+            share, grads = shard_share() if grad_share is None else grad_share, True
         parts = (s.params, s.grads * share if grads else 0, s.optimizer, s.master, activations,
                  fixed + other + boundary)
         points.append((at, RankMemory(f"pp{pp_rank}" if p.pp > 1 else "every rank", p.dp * p.cp * p.tp,
@@ -130,6 +132,19 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     saved = {stage: chunk_saved_bytes(cfg, stage) for stage in stages}
     blocks = {stage: layers[stage] * block_saved for stage in stages}  # the blocks' part of saved
     n = sum(counts.values())
+    # FSDP makes a unit's gradient shard when the unit's reduction is waited for: at the next
+    # unit's launch, or at the backward's end. Units launch strictly in backward order (the
+    # ReadyTracker's): a chunk's blocks from the top, then the root (embedding, final norm,
+    # head), whose gradients wait for their turn even where the head's come first (the last
+    # stage); units whose shard exists: ("root",) and (stage, block index)
+    fsdp = s.reduces_in_backward
+    unit_size = layer_parameters(m, p.tp)
+    shards: set[tuple] = set()
+
+    def shard_share(*extra: tuple) -> float:
+        keys = shards | set(extra)
+        return sum(counts["embedding"] + counts["head"] + counts["norm"] if key == ("root",) else unit_size
+                   for key in keys) / n
 
     def chunk_share(stage: int) -> float:  # of this rank's parameters
         chunk = layers[stage] * layer_parameters(m, p.tp) + (counts["embedding"] if stage == 0 else 0)
@@ -143,7 +158,6 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     last_index = max(last_backward.values())  # the rank's syncing backward
     held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
-    root_pending = s.root_share > 0  # (FSDP) until the first backward's end
     for i, (forward, chunk) in enumerate(program):
         at, stage = i, chunk * p.pp + pp_rank
         boundary = held[i][0]
@@ -164,6 +178,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # autocast caches its bf16 weight copies until its region (the forward) exits: under
             # full recompute, where no graph keeps them, those of every block of the chunk
             cached = layers[stage] * block_weight_copy_bytes(cfg) if cfg.train.recompute == "full" else 0
+            if s.root_gather:  # FSDP: the forward starts by gathering the root
+                point("forward", live, grads, s.root_gather)
             point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered + cached)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
@@ -188,12 +204,14 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # (under autocast the weight's gradient is made in bf16; its fp32 cast, for the fp32
             # weight, comes once the logits' gradient is gone)
             made_wgrad = head_wgrad * activation_itemsize(cfg) // s.param_item if autocast(cfg) else head_wgrad
-            point("head backward", live, grads, s.gathered_loss + made_wgrad + incoming + sp_gathered)
+            # (FSDP: the root's output gradient has prefetched the top block)
+            prefetched = s.prefetched if layers[stage] else 0
+            point("head backward", live, grads, s.gathered_loss + prefetched + made_wgrad + incoming + sp_gathered)
             live -= vocab
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
-                  s.gathered_loss + head_wgrad + incoming + s.in_flight + owed_head)
+                  s.gathered_loss + prefetched + head_wgrad + incoming + s.in_flight + owed_head)
             live -= head - vocab  # the rest goes with the final norm's backward
         # inside a block's backward: the MLP's gate and up gradients beside the incoming one, or a
         # norm's backward, whose three fp32 temporaries (the input squared, its scaled gradient and
@@ -210,9 +228,11 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             point("block backward", live, True, s.gathered_backward + s.in_flight + s.tied_waiting + incoming
                   + sp_gathered)
             during += s.shard_in_flight - s.in_flight
-        # the top block: it owes the head's (its own output gradients are the transients above)
+        # the top block: it owes the head's (its own output gradients are the transients above);
+        # FSDP has prefetched the block below it, if the chunk has one
         point("block backward", live, grads or s.grads_early or s.shard_after == 0,
-              during + (deferred_wgrad_bytes(cfg, stage, layers=0) if defers else 0))
+              during + (deferred_wgrad_bytes(cfg, stage, layers=0) if defers else 0)
+              + (s.prefetched if layers[stage] > 1 else 0))
         if shard_inside:
             # ZeRO-2's shard made inside the top block's backward (at one data-parallel rank the
             # whole gradient): the MLP's saved tensors whose backward precedes those weight
@@ -230,16 +250,25 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         first_share = made
         if new_chunk:
             first_share += chunk_share(stage) - (counts["embedding"] * (stage == 0) + layer_parameters(m, p.tp)) / n
+        if fsdp:  # the blocks above the first have launched; the last of them not yet waited for
+            first_share = shard_share(*((stage, j) for j in range(2, layers[stage])))
         # (a chunk of one block whose shard is made inside it: the point above has it)
         point("block backward", rest + block_saved, not (shard_inside and layers[stage] == 1), during + above,
               first_share)
-        if s.reduces_in_backward:  # the chunk's last block is done; the rest still hold activations
-            point("gradient reduction", live - block_saved, grads, s.reduction)
+        if fsdp:  # the top block completes (its unit launched, none waited for yet); the rest still hold activations
+            point("gradient reduction", live - block_saved, True, s.reduction)
         grads = True
         if new_chunk:
             made_chunks.add(chunk)
             made += chunk_share(stage)
         live -= saved[stage] - (head if stage == last else 0)
+        if fsdp:
+            if stage == last and stage > 0:
+                # the root (head, final norm), complete since the head's backward, launches at once:
+                # the last block's shard made, the root's fp32 staging beside its gathered
+                # parameters and the head's gradient
+                point("gradient reduction", live, True, s.root_launch,
+                      shard_share(*((stage, j) for j in range(layers[stage]))))
         if deferred:  # the flush (after the next sends and receives): what is owed, one weight's gradient at a time
             boundary = held[i][1]
             # (under autocast each is made in bf16, then cast to the fp32 weight's dtype)
@@ -250,14 +279,22 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # at one rank the first backward's embedding gradient becomes its .grad (not yet in `made`
             # above: made counts the whole chunk as its backward ends)
             adopted = made - counts["embedding"] / n if new_chunk else None
+            if fsdp:  # the root's launch waits for the last block's reduction: its shard made
+                adopted = shard_share(*((stage, j) for j in range(layers[stage])))
             point("embedding backward", live, True, s.gathered_loss + s.embedding_grad, adopted)
-            root_pending = False
         if s.finishes_in_backward and not s.reduces_in_backward:
             point("gradient reduction", live, True, s.reduction)
         if s.widened and i == last_index:
             # ZeRO-1 in bf16: the syncing backward (or its flush) launches the last bucket, whose
             # fp32 copy lives from there to finish_backward (ddp.py `_launch`)
             point("weight gradients" if deferred else "gradient reduction", live, True, s.widened)
+        if fsdp:  # the backward's end launches every unit not launched yet (an interleaved rank's other
+            # chunks' too, with zero gradients) and waits for them: every shard of the rank exists.
+            # The root's, reduced last, is made beside its fp32 staging (the first time)
+            if stage in (0, last) and ("root",) not in shards:
+                point("gradient reduction", live, True, s.root_staging,
+                      shard_share(("root",), *((stage, j) for j in range(layers[stage]))))
+            shards |= {(other, j) for other in stages for j in range(layers[other])} | {("root",)}
     # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward
     at, boundary = len(program), 0  # reduce_grads has waited for every send
     point("gradient reduction", 0, True, 0 if s.finishes_in_backward else s.reduction)

@@ -212,8 +212,10 @@ class EngineState:
     shard_after: int | None = None  # ZeRO-2: the top block's parameters with gradients when the shard
                                     # is made (0: before that block); None: after the top block
     shard_in_flight: float = 0  # ZeRO-2: the bucket in flight once the first bucket's reduction is done
-    root_share: float = 0  # FSDP: the root unit's share of the gradient shards, made at its reduction,
-                           # the first backward's last (the embedding's gradient completes it)
+    prefetched: float = 0  # FSDP: the next unit of backward, gathered while one computes
+    root_gather: float = 0  # FSDP: a forward's gather of the root unit (with its bf16 source)
+    root_staging: float = 0  # FSDP: the root's fp32 staging, alive while its reduction is waited for
+    root_launch: float = 0  # FSDP, a pipeline's last stage: the root's reduction made after the last block's
     tied_waiting: float = 0  # a tied table (one stage): the head's gradient, held by autograd until the
                              # embedding's arrives, through every block's backward
     widened: float = 0  # ZeRO-1 in bf16: the last bucket's fp32 copy, made when the syncing backward
@@ -258,6 +260,48 @@ def bucket_sizes(sizes: list[int], cap: int, align: int) -> list[int]:
         out.append(-(-sum(sizes[lo:end + 1]) // align) * align)
         lo = end + 1
     return out
+
+
+def held_denominator_elements(units: list[list[tuple[bool, int]]], d: int) -> int:
+    """Elements of AdamW's temporaries at their most, over the ranks of a sharded engine whose
+    optimizer steps each rank's segments one at a time (SegmentAdamW on CPU: torch's per-tensor
+    path). `units`: each flat unit's parameters in order, (decays, elements); each unit is padded
+    to a multiple of `d` and rank r updates the r-th slice of each. The optimizer takes the
+    decaying segments, then the others; per segment it makes sqrt(v) and the denominator from it,
+    and the previous segment's denominator lives until the new one replaces it: a + 2b for a
+    segment of b elements after one of a (three ffn weights in a row: 3 of them)."""
+    worst = 0
+    for rank in range(d):
+        segments = []
+        for unit in units:
+            padded = -(-sum(n for _, n in unit) // d) * d
+            lo, hi, start = rank * padded // d, (rank + 1) * padded // d, 0
+            for decays, n in unit:
+                if min(hi, start + n) > max(lo, start):
+                    segments.append((decays, min(hi, start + n) - max(lo, start)))
+                start += n
+        order = [n for decays, n in segments if decays] + [n for decays, n in segments if not decays]
+        worst = max([worst] + [a + 2 * b for a, b in zip([0] + order, order)])
+    return worst
+
+
+def fsdp_units(cfg: Config, counts: dict[str, int]) -> list[list[tuple[bool, int]]]:
+    """FullyShardedDataParallel's units on a rank, (decays, elements) per parameter in order: the
+    root (the norm and head, the embedding last: fsdp.py's tail; a tied table where it is
+    registered, first), then each block (attention norm, wq, wk, wv, wo, ffn norm, w1, w2, w3)."""
+    m, p = cfg.model, cfg.parallel
+    hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
+    q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
+    block = [(False, m.dim), (True, q), (True, m.dim * kv * hd), (True, m.dim * kv * hd), (True, q),
+             (False, m.dim), (True, f), (True, f), (True, f)]
+    norm = [(False, counts["norm"])] if counts["norm"] else []
+    if m.tie_embeddings and counts["embedding"] and not counts["head"]:
+        root = [(True, counts["embedding"])] + norm
+    else:
+        root = norm + ([(True, counts["head"])] if counts["head"] else []) \
+            + ([(True, counts["embedding"])] if counts["embedding"] else [])
+    layers = counts["layers"] // layer_parameters(m, p.tp) if counts["layers"] else 0
+    return ([root] if root else []) + [block] * layers
 
 
 def largest_block_weight(cfg: Config) -> int:
@@ -352,7 +396,6 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
     unit = layer_parameters(m, p.tp)
     embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
     root = counts["embedding"] + counts["head"] + counts["norm"]
-    largest = max(min(vocab_table, root / d), min(block_largest, unit / d))  # each unit sharded alone
     # The embedding's gradient completes the root unit: the root's fp32 staging is made beside it
     # and the head's gradient, waiting since the head's backward.
     root_done = 4 * root + item * counts["head"] if embedding_grad and not m.tie_embeddings else 0
@@ -360,13 +403,20 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
                        gathered_forward=item * (root + unit), gathered_after_forward=item * root,
                        gathered_loss=item * (root - embedding),
                        # the head's gradient waits in the root unit until the embedding's arrives, last
-                       gathered_backward=item * (root - embedding + 2 * unit) + item * head,
+                       gathered_backward=item * (root - embedding + unit) + item * head,
+                       # the next unit of backward, gathered while one computes (fsdp.py `prefetch`)
+                       prefetched=item * unit,
+                       # a forward gathers the root first; in bf16 from the fp32 shard's bf16 copy, alive
+                       # through the all-gather (fsdp.py `_gather`; at d = 1 the whole root)
+                       root_gather=item * root + (item * root / d if bf16 else 0),
+                       root_staging=4 * root,
+                       root_launch=item * (root + counts["head"]) + 4 * root,
                        weight_grad=item * head, embedding_grad=item * embedding_grad + root_done,
                        # a unit completes: its gradients flattened into fp32 staging while both gathered
                        # units stay (the ring's scratch comes after the gradients are dropped)
                        reduction=item * (root - embedding + 2 * unit + head) + 4 * unit + max(item, copies) * unit,
-                       step=2 * 4 * largest, grads_early=False, reduces_in_backward=True, finishes_in_backward=True,
-                       root_share=root / n if counts["embedding"] else 0)
+                       step=4 * held_denominator_elements(fsdp_units(cfg, counts), d),
+                       grads_early=False, reduces_in_backward=True, finishes_in_backward=True)
 
 
 def largest_deferred_weight(cfg: Config, stage: int) -> int:
