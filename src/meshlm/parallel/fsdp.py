@@ -101,6 +101,16 @@ class FullyShardedDataParallel:
         self._forward_next = {id(a): b for a, b in zip(self.units, self.units[1:])}
         hooks_order = [*([self.root] if self.root else []), *reversed(blocks)]
         self._backward_next = {id(a): b for a, b in zip(hooks_order, hooks_order[1:])}
+        # A block's backward is followed by that of the block that ran before it in the same call
+        # of the module: under an interleaved pipeline a rank's blocks form chunks, each called
+        # alone, and the next block in the rank's order may be another chunk's, whose backward
+        # is not next (prefetched, it stayed gathered to the end of the backward for nothing).
+        # The root's prefetch (the rank's top block) is for a backward the root starts (the
+        # head's); where a block's has started first, its hook comes after the blocks' own.
+        self._forward_prev: dict[int, Unit | None] = {}  # learned from the first forward
+        self._called: list[Unit] = []  # the blocks entered in the module's current call
+        self._blocks_in_backward = False  # a block's backward has started in this backward
+        module.register_forward_pre_hook(lambda m, a: self._called.clear())
         self.tracker = ReadyTracker([[(s.name, s.param) for s in u.slots] for u in backward_order], self._launch)
         self._pending: list = []
         self._end_queued = False
@@ -140,6 +150,9 @@ class FullyShardedDataParallel:
             unit.handle = None
 
     def _pre_forward(self, unit: Unit) -> None:
+        if unit is not self.root:
+            self._forward_prev.setdefault(id(unit), self._called[-1] if self._called else None)
+            self._called.append(unit)
         if unit.trimmed:  # a second forward before the backward: needs the embedding again
             unit.free()
         self._gather(unit)
@@ -209,7 +222,11 @@ class FullyShardedDataParallel:
         # micro-batch's backward, it is not gathered again for the next one's.
         if not (unit is self.root and unit.tail == 0 and self.reshard_after_forward and not self._tail_used):
             self._gather(unit)
-        nxt = self._backward_next.get(id(unit))
+        if unit is self.root:
+            nxt = None if self._blocks_in_backward else self._backward_next.get(id(unit))
+        else:
+            self._blocks_in_backward = True
+            nxt = self._forward_prev.get(id(unit), self._backward_next.get(id(unit)))
         if self.prefetch and nxt is not None:
             self._gather(nxt, wait=False)
 
@@ -254,6 +271,7 @@ class FullyShardedDataParallel:
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
+        self._blocks_in_backward = False
         # Under a pipeline each backward covers one chunk (and an interleaved rank's chunk may have
         # no layers): what is unused is decided at the step's end, in finish_backward.
         self.tracker.flush(end_of_step=False)
