@@ -208,6 +208,10 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             prefetched = s.prefetched if layers[stage] else 0
             point("head backward", live, grads, s.gathered_loss + prefetched + made_wgrad + incoming + sp_gathered)
             live -= vocab
+            if m.vocab_size % p.tp and head_wgrad:
+                # a tp rank with padding rows computes on its real rows, a slice of its weight:
+                # slice's backward copies their gradient into a new padded one, beside it
+                point("head backward", live, grads, s.gathered_loss + prefetched + 2 * head_wgrad + incoming)
             # its weight gradient handed to the engine, the logits' gradient gone: DDP and ZeRO-1
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,

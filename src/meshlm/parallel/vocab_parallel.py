@@ -75,8 +75,11 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full = self.region.enter(x)
+        # the real rows only where this rank has padding: slicing the whole weight too would make
+        # its gradient twice in backward (slice's backward copies it into a new full-size tensor)
+        weight = self.weight if self.shard.real == self.weight.shape[0] else self.weight[: self.shard.real]
         try:
-            return self.region.linear(full, self.weight[: self.shard.real])
+            return self.region.linear(full, weight)
         finally:
             self.region.leave()
 
