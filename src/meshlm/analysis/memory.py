@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 from meshlm.analysis.memory_schedule import boundary_held_bytes, compute_program
 from meshlm.analysis.memory_schedule import micro_batches_in_flight  # noqa: F401 (API)
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
-                                          block_weight_copy_bytes, boundary_bytes, chunk_saved_bytes,
+                                          block_saved_weight_copy_bytes, block_weight_copy_bytes, boundary_bytes,
+                                          chunk_saved_bytes,
                                           deferred_wgrad_bytes, engine_state,
                                           head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
@@ -109,7 +110,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     last = last_stage(cfg)
     fixed = rope_table_bytes(cfg)
     block_saved, rebuilt = block_saved_bytes(cfg)
-    sp_gathered = tokens * m.dim * activation_itemsize(cfg) if p.sp else 0  # a linear's all-gathered input (SP)
+    # a linear's all-gathered input (SP): under autocast the norm's fp32 output, gathered in fp32
+    sp_gathered = tokens * m.dim * (4 if autocast(cfg) else activation_itemsize(cfg)) if p.sp else 0
     vocab = tokens * vocab_local(cfg) * activation_itemsize(cfg)  # the loss's saved [tokens, vocab/tp]
     head = head_saved_bytes(cfg)  # the last stage's saved beyond its blocks (the logits among them)
     points: list[tuple[int, RankMemory]] = []
@@ -176,14 +178,18 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             else:
                 unsaved = tokens * m.dim * activation_itemsize(cfg) + boundary_bytes(cfg) * (1 + 2 * bf16_weights(cfg))
             # autocast caches its bf16 weight copies until its region (the forward) exits: under
-            # full recompute, where no graph keeps them, those of every block of the chunk
-            cached = layers[stage] * block_weight_copy_bytes(cfg) if cfg.train.recompute == "full" else 0
+            # full recompute, where no graph keeps them, those of every block of the chunk; under
+            # SP those the column linears do not save (and, once it has run, the head's)
+            kept = 0 if cfg.train.recompute == "full" else block_saved_weight_copy_bytes(cfg)
+            cached = layers[stage] * (block_weight_copy_bytes(cfg) - kept)
+            head_cached = 2 * vocab_local(cfg) * m.dim if autocast(cfg) and p.sp and stage == last else 0
             if s.root_gather:  # FSDP: the forward starts by gathering the root
                 point("forward", live, grads, s.root_gather)
             point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered + cached)
             live += saved[stage]
             # the last stage's head computes on its all-gathered input (SP)
-            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0) + cached)
+            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0) + cached
+                  + head_cached)
             if stage == last:
                 point("loss", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=False))
             continue
@@ -204,6 +210,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # (under autocast the weight's gradient is made in bf16; its fp32 cast, for the fp32
             # weight, comes once the logits' gradient is gone)
             made_wgrad = head_wgrad * activation_itemsize(cfg) // s.param_item if autocast(cfg) else head_wgrad
+            if autocast(cfg) and p.sp:  # SP's column linear casts it to fp32 inside its backward, beside it
+                made_wgrad += head_wgrad
             # (FSDP: the root's output gradient has prefetched the top block)
             prefetched = s.prefetched if layers[stage] else 0
             point("head backward", live, grads, s.gathered_loss + prefetched + made_wgrad + incoming + sp_gathered)

@@ -67,9 +67,19 @@ def autocast(cfg: Config) -> bool:
 
 def block_weight_copy_bytes(cfg: Config) -> int:
     """One block's bf16 copies of its matmul weights under autocast (the norms' stay fp32); 0
-    otherwise. Saved by each matmul, or (full recompute) held by autocast's cache in the forward
-    and rebuilt with the block in its backward."""
+    otherwise. Held by autocast's cache through the forward; saved by each matmul (below), or
+    (full recompute) rebuilt with the block in its backward."""
     return 2 * (layer_parameters(cfg.model, cfg.parallel.tp) - 2 * cfg.model.dim) if autocast(cfg) else 0
+
+
+def block_saved_weight_copy_bytes(cfg: Config) -> int:
+    """The bf16 weight copies a block saves for backward under autocast: every matmul's, but under
+    SP the column linears (q, k, v, gate, up) save their fp32 weight and recast it in backward
+    (tensor_layers.py `_ColumnLinearSavingShard`): only wo's and w2's."""
+    m, p = cfg.model, cfg.parallel
+    if not autocast(cfg) or not p.sp:
+        return block_weight_copy_bytes(cfg)
+    return 2 * m.dim * (m.n_heads // p.tp * m.head_dim + m.ffn_dim // p.tp)
 
 
 def last_stage(cfg: Config) -> int:
@@ -109,9 +119,12 @@ def block_saved_bytes(cfg: Config) -> tuple[int, int]:
         # stay fp32 (26h + 8 bytes a token, against the table's 2 x (6h + 2)), and each of the five
         # linears reading the residual stream (q, k, v, gate, up) saves its own bf16 copy of its
         # input; RoPE saves its bf16 tables
-        whole += outside * (14 * m.dim + 4) + 4 * seq * m.head_dim * 2
+        # (under SP the column linears save their region's input shard, the norm's weighted fp32
+        # output, in place of their own bf16 copies: 12h + 4 bytes over the table's)
+        whole += outside * ((12 if p.sp else 14) * m.dim + 4) + 4 * seq * m.head_dim * 2
     if t.recompute == "full":  # the block's input: the residual stream, fp32 under autocast
-        return outside * m.dim * (4 if autocast(cfg) else item), whole + block_weight_copy_bytes(cfg)
+        # (the rebuilt block saves its copies as a forward does: under SP wo's and w2's only)
+        return outside * m.dim * (4 if autocast(cfg) else item), whole + block_saved_weight_copy_bytes(cfg)
     if t.recompute == "selective" and p.cp == 1:
         # only the attention core's log-sum-exp goes: its output is saved anyway, as the input of
         # the output projection (with a flash-style kernel there is no s x s matrix to drop)
@@ -141,7 +154,7 @@ def chunk_saved_bytes(cfg: Config, stage: int) -> int:
     # the last stage's norm, head and loss; another stage's output, referenced until its gradient comes back
     saved += head_saved_bytes(cfg) if stage == last_stage(cfg) else boundary_bytes(cfg)
     if cfg.train.recompute != "full":  # a block recomputed in full saves no copies until its backward rebuilds it
-        saved += layers * block_weight_copy_bytes(cfg)
+        saved += layers * block_saved_weight_copy_bytes(cfg)
     return saved
 
 
@@ -157,7 +170,9 @@ def head_saved_bytes(cfg: Config) -> int:
     saved = 3 * sharded * m.dim * item + sharded * 4 + tokens * vocab_local(cfg) * item + tokens * (8 + 8 + 1)
     if cfg.train.dtype == "bfloat16":  # the final norm's input in fp32 (and, autocast, its output)
         saved += sharded * m.dim * (4 if autocast(cfg) else 2)
-    if autocast(cfg):  # the head's bf16 weight copy
+        if autocast(cfg) and p.sp:  # the head's input: SP's saved shard, the weighted fp32 output, not a bf16 copy
+            saved += sharded * m.dim * 2
+    if autocast(cfg) and not p.sp:  # the head's bf16 weight copy (SP's column linear recasts it in backward)
         saved += 2 * vocab_local(cfg) * m.dim
     return saved
 
