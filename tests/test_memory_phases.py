@@ -124,11 +124,18 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
                 "train.seq_len=16")),
     (4, "shm", ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "train.dtype=bfloat16")),
     (4, "shm", ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "train.dtype=bfloat16", "train.recompute=full")),
+    # autocast and full recompute in a pipeline: the forward of a micro-batch whose backward defers
+    # casts its weights itself, uncached (+11% in the last stage's last forward; interleaved, +57%)
+    (2, "shm", ("parallel.pp=2", "train.dtype=bfloat16", "train.recompute=full")),
+    (4, "shm", ("parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=8",
+                "train.dtype=bfloat16", "train.recompute=full", "train.seq_len=16")),
 ]
 # Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
 NOT_YET: list[tuple[int, str, tuple[str, ...]]] = [
-    # the last stage's deferring forward under autocast and full recompute (+10%)
-    (2, "shm", ("parallel.pp=2", "train.dtype=bfloat16", "train.recompute=full")),
+    # interleaved under autocast and full recompute, few tokens: backwards -15% to -18%
+    (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=8",
+                "train.dtype=bfloat16", "train.recompute=full", "train.seq_len=16", "train.micro_batch_size=1",
+                "train.global_batch_size=4", "model.dim=128", "model.ffn_dim=352")),
 ]
 
 

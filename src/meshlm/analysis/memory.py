@@ -45,7 +45,7 @@ from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_we
                                           block_saved_weight_copy_bytes, block_weight_copy_bytes, boundary_bytes,
                                           chunk_saved_bytes,
                                           deferred_wgrad_bytes, engine_state,
-                                          head_saved_bytes, largest_deferred_weight, last_stage, layer_parameters,
+                                          head_saved_bytes, largest_block_weight, largest_deferred_weight, last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import stage_layers  # noqa: F401 (API)
@@ -157,6 +157,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     # embedding's. Elsewhere the engine's gradient storage is whole.
     made, made_chunks = (0.0 if s.grads_one_by_one else 1.0), set()
     last_backward = {chunk: i for i, (forward, chunk) in enumerate(program) if not forward}
+    last_forward = {chunk: i for i, (forward, chunk) in enumerate(program) if forward}
     last_index = max(last_backward.values())  # the rank's syncing backward
     held = boundary_held_bytes(cfg, pp_rank, backend)
     live, grads = 0, False
@@ -182,6 +183,14 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # SP those the column linears do not save (and, once it has run, the head's)
             kept = 0 if cfg.train.recompute == "full" else block_saved_weight_copy_bytes(cfg)
             cached = layers[stage] * (block_weight_copy_bytes(cfg) - kept)
+            if last_forward[chunk] == i and deferred_wgrad_bytes(cfg, stage):
+                # the forward of a micro-batch whose backward defers: its linears cast a detached
+                # weight themselves (deferred_wgrad.py), which autocast does not cache; what they
+                # save is in `saved`, and under full recompute they are transient: one linear's
+                # weight copy and its input's bf16 copy at a time
+                cached = 0
+                if autocast(cfg) and cfg.train.recompute == "full":
+                    cached = 2 * largest_block_weight(cfg) + 2 * tokens * m.dim
             head_cached = 2 * vocab_local(cfg) * m.dim if autocast(cfg) and p.sp and stage == last else 0
             if s.root_gather:  # FSDP: the forward starts by gathering the root
                 point("forward", live, grads, s.root_gather)
