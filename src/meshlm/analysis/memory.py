@@ -43,9 +43,9 @@ from meshlm.analysis.memory_schedule import boundary_held_bytes, compute_program
 from meshlm.analysis.memory_schedule import micro_batches_in_flight  # noqa: F401 (API)
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
                                           block_saved_weight_copy_bytes, block_weight_copy_bytes, boundary_bytes,
-                                          chunk_saved_bytes,
-                                          deferred_wgrad_bytes, engine_state,
-                                          head_saved_bytes, largest_block_weight, largest_deferred_weight, last_stage, layer_parameters,
+                                          chunk_saved_bytes, deferred_wgrad_bytes, engine_state,
+                                          head_saved_bytes, largest_block_weight, largest_deferred_weight,
+                                          last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
                                           rope_table_bytes, stage_ranges, vocab_local)
 from meshlm.analysis.memory_terms import stage_layers  # noqa: F401 (API)
@@ -261,7 +261,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # silu(gate), saved by the product's backward, which w3's (up's) needs; gate, saved by
             # silu's backward, which w1's needs (the gradients they leave are the transients)
             mlp = tokens * m.ffn_dim // p.tp * activation_itemsize(cfg)
-            point("block backward", live + during - mlp * min(4, 2 * s.shard_after - 1), True, 0)
+            # (the first bucket's reduction waited for: the ring's scratch, on gloo, gone)
+            point("block backward", live + during - mlp * min(4, 2 * s.shard_after - 1) - s.in_flight_scratch, True, 0)
         elif s.grads_after_top_block and not grads:
             point("block backward", live - block_saved, True, during)
         # its first block: one block's activations left, the other blocks' gradients made

@@ -226,6 +226,7 @@ class EngineState:
                                          # after the top block unless `shard_after` says where
     shard_after: int | None = None  # ZeRO-2: the top block's parameters with gradients when the shard
                                     # is made (0: before that block); None: after the top block
+    in_flight_scratch: float = 0  # ZeRO-2 on gloo: the ring's scratch within `in_flight`, gone once it is waited
     shard_in_flight: float = 0  # ZeRO-2: the bucket in flight once the first bucket's reduction is done
     prefetched: float = 0  # FSDP: the next unit of backward, gathered while one computes
     root_gather: float = 0  # FSDP: a forward's gather of the root unit (with its bf16 source)
@@ -400,7 +401,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
             buckets = buckets[:-1]  # the embedding's (last) bucket: the embedding backward's point
         filled = max(buckets[1:] or buckets)  # (the first is the head's, staged at its backward)
         return EngineState(item * n, item * n / d, 8 * n / d, master, staging=4 * filled,
-                           in_flight=(4 + copies) * first, weight_grad=item * head,
+                           in_flight=(4 + copies) * first, in_flight_scratch=copies * first, weight_grad=item * head,
                            tied_waiting=item * tied,
                            # the embedding's gradient is copied into its bucket's staging, made beside it
                            embedding_grad=max(item * embedding_grad, item * counts["embedding"] + 4 * last),
