@@ -251,6 +251,67 @@ def test_zero3_interleaved_a_chunks_backward_gathers_its_own_blocks_only(corpus,
         assert all(len(blocks) == 1 for blocks in per_backward), per_backward  # a chunk is one block here
 
 
+def _bytes_per_backward_rank(corpus, run_dir, extra):
+    """Step 2, interleaved ZeRO-3: per forward and per backward (in program order), the chunk and
+    the bytes all-gathered and reduce-scattered over dp, beside what the chunk's own units hold
+    (from parameter counts: each block a unit, the chunk's share of the root one more; padded to
+    the dp size, fp32)."""
+    from meshlm.parallel.pipeline.schedules import BACKWARD
+
+    trainer = build_trainer(make_cfg(corpus, run_dir, 4, *extra))
+    stage, recorder, dp = trainer.model, trainer.dp.comm.recorder, trainer.ctx.size("dp")
+
+    def units(chunk, blocks_only=False):
+        out = [sum(p.numel() for p in stage.layers[str(i)].parameters()) for i in stage.chunk_layers[chunk]]
+        root = sum(p.numel() for m in stage.chunk_modules(chunk) if m not in list(stage.layers.values())
+                   for p in m.parameters())
+        out += [] if blocks_only or not root else [root]
+        return sum(-(-n // dp) * dp * 4 for n in out)
+
+    def dp_bytes(op, start):
+        return sum(r.nbytes for r in list(recorder.records)[start:] if r.op == op and r.axis == "cp+dp")
+
+    measured, original = [], torch.autograd.backward
+    stage.register_forward_pre_hook(lambda m, args: measured.append(["F", args[1], len(recorder.records)]),
+                                   prepend=True)
+    stage.register_forward_hook(lambda m, args, out: measured[-1].extend(
+        [dp_bytes("all_gather", measured[-1][2]), 0]))
+
+    def traced_backward(*args, **kwargs):
+        start = len(recorder.records)
+        original(*args, **kwargs)
+        measured.append(["B", None, start, dp_bytes("all_gather", start), dp_bytes("reduce_scatter", start)])
+
+    trainer.train_step()
+    recorder.records.clear()
+    measured.clear()
+    torch.autograd.backward = traced_backward
+    try:
+        trainer.train_step()
+    finally:
+        torch.autograd.backward = original
+    backward_chunks = iter([ins.chunk for ins in trainer.pipeline.program if ins.op == BACKWARD])
+    rows = []
+    for kind, chunk, _, gathered, reduced in measured:
+        chunk = next(backward_chunks) if kind == "B" else chunk
+        expect = (units(chunk), 0) if kind == "F" else (units(chunk, blocks_only=True), units(chunk))
+        rows.append((kind, chunk, (gathered, reduced), expect))
+    return rows
+
+
+def test_zero3_interleaved_each_backward_reduces_its_own_chunks_units_only(corpus, tmp_path):
+    """FSDP reduced its units strictly in the rank's order: in one chunk's backward the other
+    chunk's units waited, and were reduce-scattered at its end with zero gradients (twice the
+    chunk's own bytes a backward here); the root (the embedding, or the norm and the head) was
+    gathered in every chunk's forward. Now each forward gathers, and each backward gathers and
+    reduces, the units of its own chunk only."""
+    extra = ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
+             "model.n_layers=4", "parallel.zero=3"]
+    for rows in run_ranks(_bytes_per_backward_rank, 4, corpus, tmp_path, extra, timeout=240):
+        assert len(rows) == 8, rows  # 2 micro-batches x 2 chunks, forward and backward
+        assert all(measured == expect for _, _, measured, expect in rows), rows
+
+
 def test_tied_embeddings_stay_in_sync_across_first_and_last_stage(corpus, tmp_path, tmp_path_factory):
     tied = ("model.tie_embeddings=true",)
     ref = reference(corpus, tmp_path_factory, *tied)

@@ -135,11 +135,17 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     blocks = {stage: layers[stage] * block_saved for stage in stages}  # the blocks' part of saved
     n = sum(counts.values())
     # FSDP makes a unit's gradient shard when the unit's reduction is waited for: at the next
-    # unit's launch, or at the backward's end. Units launch strictly in backward order (the
-    # ReadyTracker's): a chunk's blocks from the top, then the root (embedding, final norm,
-    # head), whose gradients wait for their turn even where the head's come first (the last
-    # stage); units whose shard exists: ("root",) and (stage, block index)
+    # unit's launch, or at the backward's end. A backward reduces its own chunk's units (those its
+    # module call ran), in backward order (the ReadyTracker's): the chunk's blocks from the top,
+    # then the root (embedding, final norm, head) where the chunk uses it, whose gradients wait
+    # for their turn even where the head's come first (the last stage); units whose shard
+    # exists: ("root",) and (stage, block index)
     fsdp = s.reduces_in_backward
+    # An interleaved rank's chunk without the root (neither the first nor the last stage) gathers
+    # none of it: what an earlier forward of the root's chunk kept (its final norm and head) is
+    # there until the next backward's end, nothing else of it; and its backward has no head's
+    # gradient waiting
+    root_held = False
     unit_size = layer_parameters(m, p.tp)
     shards: set[tuple] = set()
 
@@ -164,6 +170,8 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
     for i, (forward, chunk) in enumerate(program):
         at, stage = i, chunk * p.pp + pp_rank
         boundary = held[i][0]
+        uses_root = stage in (0, last)
+        root_off = 0 if uses_root else s.root_gathered - (s.root_kept if root_held else 0)
         if forward:
             # while the chunk's last block computes: its gathered unit (FSDP), and what the block
             # holds unsaved: under full recompute (no graph kept) the MLP's live tensors (residual,
@@ -192,13 +200,15 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                 if autocast(cfg) and cfg.train.recompute == "full":
                     cached = 2 * largest_block_weight(cfg) + 2 * tokens * m.dim
             head_cached = 2 * vocab_local(cfg) * m.dim if autocast(cfg) and p.sp and stage == last else 0
-            if s.root_gather:  # FSDP: the forward starts by gathering the root
+            if s.root_gather and uses_root:  # FSDP: the forward starts by gathering the root
                 point("forward", live, grads, s.root_gather)
-            point("forward", live + blocks[stage], grads, s.gathered_forward + unsaved + sp_gathered + cached)
+            point("forward", live + blocks[stage], grads,
+                  s.gathered_forward - root_off + unsaved + sp_gathered + cached)
             live += saved[stage]
+            root_held = root_held or (fsdp and uses_root)
             # the last stage's head computes on its all-gathered input (SP)
-            point("forward", live, grads, s.gathered_after_forward + (sp_gathered if stage == last else 0) + cached
-                  + head_cached)
+            point("forward", live, grads, s.gathered_after_forward - root_off + (sp_gathered if stage == last else 0)
+                  + cached + head_cached)
             if stage == last:
                 point("loss", live, grads, s.gathered_loss + loss_transient_bytes(cfg, tokens, backward=False))
             continue
@@ -240,7 +250,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         norm_tokens = tokens // p.tp if p.sp else tokens
         transient = incoming + sp_gathered + max(tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg),
                                                  3 * norm_tokens * m.dim * 4)
-        during = s.gathered_backward + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
+        if fsdp and not uses_root:  # (see root_held)
+            root_off = (0 if root_held else s.root_kept) + s.weight_grad
+        during = s.gathered_backward - root_off + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
         shard_inside = bool(s.shard_after) and not grads  # ZeRO-2's shard made inside the top block
         if s.shard_after == 0 and not grads:
             # ZeRO-2's shard made before the top block, at the final norm's (or the stage's first
@@ -278,7 +290,7 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         point("block backward", rest + block_saved, not (shard_inside and layers[stage] == 1), during + above,
               first_share)
         if fsdp:  # the top block completes (its unit launched, none waited for yet); the rest still hold activations
-            point("gradient reduction", live - block_saved, True, s.reduction)
+            point("gradient reduction", live - block_saved, True, s.reduction - root_off)
         grads = True
         if new_chunk:
             made_chunks.add(chunk)
@@ -310,13 +322,15 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # ZeRO-1 in bf16: the syncing backward (or its flush) launches the last bucket, whose
             # fp32 copy lives from there to finish_backward (ddp.py `_launch`)
             point("weight gradients" if deferred else "gradient reduction", live, True, s.widened)
-        if fsdp:  # the backward's end launches every unit not launched yet (an interleaved rank's other
-            # chunks' too, with zero gradients) and waits for them: every shard of the rank exists.
-            # The root's, reduced last, is made beside its fp32 staging (the first time)
-            if stage in (0, last) and ("root",) not in shards:
+        if fsdp:  # the backward's end launches the chunk's units not launched yet and waits for them:
+            # the chunk's shards exist (not the other chunks' of an interleaved rank: their units
+            # are reduced by their own backwards). The root's, reduced last, is made beside its
+            # fp32 staging (the first time)
+            if uses_root and ("root",) not in shards:
                 point("gradient reduction", live, True, s.root_staging,
                       shard_share(("root",), *((stage, j) for j in range(layers[stage]))))
-            shards |= {(other, j) for other in stages for j in range(layers[other])} | {("root",)}
+            shards |= {(stage, j) for j in range(layers[stage])} | ({("root",)} if uses_root else set())
+            root_held = False  # the backward's end frees every unit
     # what finish_backward reduces (zero 0/1); zero 2/3 have waited for theirs inside each backward
     at, boundary = len(program), 0  # reduce_grads has waited for every send
     point("gradient reduction", 0, True, 0 if s.finishes_in_backward else s.reduction)

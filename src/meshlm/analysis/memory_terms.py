@@ -232,6 +232,8 @@ class EngineState:
     root_gather: float = 0  # FSDP: a forward's gather of the root unit (with its bf16 source)
     root_staging: float = 0  # FSDP: the root's fp32 staging, alive while its reduction is waited for
     root_launch: float = 0  # FSDP, a pipeline's last stage: the root's reduction made after the last block's
+    root_gathered: float = 0  # FSDP: the whole root unsharded (in `gathered_*`); an interleaved rank's chunk
+    root_kept: float = 0  # ... without the root gathers none of it, or what an earlier forward kept
     tied_waiting: float = 0  # a tied table (one stage): the head's gradient, held by autograd until the
                              # embedding's arrives, through every block's backward
     widened: float = 0  # ZeRO-1 in bf16: the last bucket's fp32 copy, made when the syncing backward
@@ -426,6 +428,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
                        # through the all-gather (fsdp.py `_gather`; at d = 1 the whole root)
                        root_gather=item * root + (item * root / d if bf16 else 0),
                        root_staging=4 * root,
+                       root_gathered=item * root, root_kept=item * (root - embedding),
                        root_launch=item * (root + counts["head"]) + 4 * root,
                        weight_grad=item * head, embedding_grad=item * embedding_grad + root_done,
                        # a unit completes: its gradients flattened into fp32 staging while both gathered

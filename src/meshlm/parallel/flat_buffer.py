@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -156,6 +156,7 @@ def point_params_into(buffer: torch.Tensor, slots: Sequence[Slot], copy: bool = 
 class ReadyTracker:
     """Gradient-ready bookkeeping: launches a bucket once all its parameters are marked, buckets
     strictly in index order (bucket k never before bucket k-1), so all ranks agree on the order.
+A backward may cover only some buckets (`reset(order)`, `extend`): those, still in index order.
 
     `members` holds each bucket's parameters. Parameters that get no gradient on the first step
     are found by `flush` and excluded from later steps' waiting; if one of them later gets a
@@ -173,14 +174,25 @@ class ReadyTracker:
         self._seen: set[int] = set()  # parameters with a gradient in some backward of the first step
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, order: Sequence[int] | None = None) -> None:
+        """A new backward. `order`: the buckets it covers (default all); `extend` adds more."""
         self.ready = [set() for _ in self.members]
-        self.next = 0
+        self.order = list(range(len(self.members))) if order is None else sorted(order)
+        self.next = 0  # position in `order` of the next bucket to launch
+
+    def extend(self, buckets: Iterable[int]) -> None:
+        """Make this backward cover `buckets` too: those not launched yet join the rest of the
+        order, which stays in index order (FSDP under an interleaved pipeline: the units of the
+        module call whose backward starts)."""
+        done = self.order[:self.next]
+        self.order = done + sorted(set(self.order[self.next:]) | (set(buckets) - set(done)))
 
     def mark(self, param: torch.Tensor) -> None:
         key = id(param)
         b = self.bucket_of[key]
-        if b < self.next:
+        if b not in self.order:  # a bucket this backward was not said to cover: it does now
+            self.extend([b])
+        if self.order.index(b) < self.next:
             raise RuntimeError(
                 f"parameter {self.names[key]!r} received a gradient after its bucket {b} was already reduced: "
                 f"it had no gradient on the first step (so it was recorded as unused) or it got two gradients "
@@ -189,9 +201,10 @@ class ReadyTracker:
         self.unused.discard(key)
         if self.first_step:
             self._seen.add(key)
-        while self.next < len(self.members) and self.members[self.next] - self.unused <= self.ready[self.next]:
+        while self.next < len(self.order) and \
+                self.members[self.order[self.next]] - self.unused <= self.ready[self.order[self.next]]:
             self.next += 1
-            self.launch(self.next - 1)
+            self.launch(self.order[self.next - 1])
 
     def flush(self, end_of_step: bool = True) -> list[str]:
         """Launch every bucket not launched yet; returns the names of parameters with no gradient.
@@ -199,10 +212,11 @@ class ReadyTracker:
         FSDP under a pipeline, where a backward covers one chunk, says when the step ends through
         `end_first_step`), the parameters no backward of it reached are recorded as unused."""
         missing = []
-        while self.next < len(self.members):
-            missing.extend(self.names[k] for k in self.members[self.next] - self.ready[self.next])
+        while self.next < len(self.order):
+            b = self.order[self.next]
+            missing.extend(self.names[k] for k in self.members[b] - self.ready[b])
             self.next += 1
-            self.launch(self.next - 1)
+            self.launch(b)
         if self.first_step and end_of_step:
             self.end_first_step()
         return missing

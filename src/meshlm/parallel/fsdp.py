@@ -17,11 +17,14 @@ so autograd's saved references to them see the re-gathered values in backward).
   the unit's backward, re-gathers it and prefetches the unit before it;
 - a gradient-ready hook per parameter marks it; when the unit is complete its gradients are
   flattened into one buffer (in the reduce dtype), reduce-scattered asynchronously (units
-  strictly in order), the unit resharded, and only this rank's slice kept;
+  strictly in order: of those the module calls whose backward this is ran, see `_end_call`), the
+  unit resharded, and only this rank's slice kept;
 - a callback queued on the autograd engine ends each backward: waits, reshards what is left.
 Every micro-batch's backward reduce-scatters (`no_sync()` has no effect, as in ZeRO-2).
 Activation checkpointing works unchanged: recomputation runs after the output-gradient hook.
-The root unit stays unsharded from forward to backward (no second all-gather for it), except its
+The root unit is gathered where a call first enters a module holding its parameters (a chunk of
+an interleaved pipeline without them never gathers it) and stays unsharded from forward to
+backward (no second all-gather for it), except its
 embedding tables: their weights are laid out last in the root's buffer and, with
 `reshard_after_forward`, cut off its storage after forward, since an embedding's backward needs
 only the indices. That is done only when the forward saved nothing for backward in that range
@@ -110,14 +113,29 @@ class FullyShardedDataParallel:
         self._forward_prev: dict[int, Unit | None] = {}  # learned from the first forward
         self._called: list[Unit] = []  # the blocks entered in the module's current call
         self._blocks_in_backward = False  # a block's backward has started in this backward
-        module.register_forward_pre_hook(lambda m, a: self._called.clear())
+        # The root is gathered when the call first enters a module holding one of its parameters
+        # (the embedding, the final norm, the head), not on entering the module: an interleaved
+        # rank's chunk that holds none of them (a pipeline's middle) never gathers it. Only where
+        # the module holds root parameters itself is it gathered on entry.
+        root_owners = {m for s in (self.root.slots if self.root is not None else ()) for m in owners[id(s.param)]}
+        self._lazy_root = bool(root_owners) and module not in root_owners
+        self._in_call = False  # inside a call of the module
+        self._root_in_call = False  # the current call gathered (uses) the root
+        module.register_forward_pre_hook(lambda m, a: self._begin_call())
+        for owner in root_owners if self._lazy_root else ():
+            owner.register_forward_pre_hook(lambda m, a: None if self._root_in_call else self._pre_forward(self.root))
+        self._backward_index = {id(u): i for i, u in enumerate(backward_order)}
         self.tracker = ReadyTracker([[(s.name, s.param) for s in u.slots] for u in backward_order], self._launch)
+        # Each backward reduces the units of the module calls whose output gradient it reached
+        # (`_end_call`), not all of the rank's: see `_end_call`.
+        self.tracker.reset(order=[])
         self._pending: list = []
         self._end_queued = False
         self.unused_parameters: list[str] = []
         for unit in self.units:
             owner = module if unit is self.root else module.get_submodule(unit.name)
-            owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            if not (unit is self.root and self._lazy_root):  # (else: its owners' pre-hooks)
+                owner.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
             owner.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
             if unit is self.root:  # always_call: pop the saved-tensor hooks even if forward raises
                 owner.register_forward_hook(lambda m, a, out: self._end_tail_check(), always_call=True)
@@ -125,6 +143,7 @@ class FullyShardedDataParallel:
                 s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         if self.root is None:  # still need the end-of-forward bookkeeping for evaluation
             module.register_forward_hook(lambda m, a, out: self._post_forward(None, out))
+        module.register_forward_hook(lambda m, a, out: self._end_call(out))
         segments = []
         for unit in self.units:
             for s in unit.slots:
@@ -153,14 +172,48 @@ class FullyShardedDataParallel:
         if unit is not self.root:
             self._forward_prev.setdefault(id(unit), self._called[-1] if self._called else None)
             self._called.append(unit)
-        if unit.trimmed:  # a second forward before the backward: needs the embedding again
-            unit.free()
-        self._gather(unit)
         if unit is self.root:
-            self._begin_tail_check()
+            return self._use_root()
+        self._gather(unit)
         nxt = self._forward_next.get(id(unit))
         if self.forward_prefetch and nxt is not None:
             self._gather(nxt, wait=False)
+
+    def _begin_call(self) -> None:
+        self._called.clear()
+        self._in_call, self._root_in_call = True, False
+
+    def _use_root(self) -> None:
+        """The call enters a module holding root parameters (or the module itself, see __init__)."""
+        root = self.root
+        if root.trimmed:  # a second forward before the backward: needs the embedding again
+            root.free()
+        self._gather(root)
+        if self._in_call:  # (an owner called on its own, outside the module: no call to watch)
+            self._root_in_call = True
+            self._begin_tail_check()
+        nxt = self._forward_next.get(id(root))  # the rank's first block: where the root comes first
+        if self.forward_prefetch and nxt is not None and not self._called:
+            self._gather(nxt, wait=False)
+
+    def _end_call(self, output):
+        """The module's call ends: its output's gradient hook starts the backward of the units it
+        ran (its blocks, and the root where it used it), which is what that backward reduces, in
+        the rank's backward order. Under an interleaved pipeline a chunk's backward so reduces
+        its own units only, the same on every dp rank: the other chunk's, which get no gradient
+        in it, used to be waited behind and reduce-scattered with zero gradients at its end."""
+        if torch.is_grad_enabled():
+            units = [self._backward_index[id(u)] for u in self._called]
+            if self._root_in_call:
+                units.append(self._backward_index[id(self.root)])
+            for t in (output if isinstance(output, (tuple, list)) else (output,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, units=units: self._begin_backward(units))
+        return output
+
+    def _begin_backward(self, units: list[int]) -> None:
+        self._queue_end()
+        self.tracker.extend(units)
 
     def _post_forward(self, unit: Unit | None, output):
         if not torch.is_grad_enabled():  # evaluation: no backward follows; the root ends the forward
@@ -170,7 +223,7 @@ class FullyShardedDataParallel:
             elif unit is not None:
                 unit.free()
             return output
-        if unit is None:
+        if unit is None or (unit is self.root and not self._root_in_call):  # (a call without the root)
             return output
         if unit is not self.root and self.reshard_after_forward:
             unit.free()
@@ -211,6 +264,7 @@ class FullyShardedDataParallel:
         self._saved_hooks.__enter__()
 
     def _end_tail_check(self) -> None:
+        self._in_call = False
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -276,7 +330,7 @@ class FullyShardedDataParallel:
         # no layers): what is unused is decided at the step's end, in finish_backward.
         self.tracker.flush(end_of_step=False)
         self._drain()
-        self.tracker.reset()
+        self.tracker.reset(order=[])
         for u in self.units:
             u.free()
 
