@@ -225,8 +225,10 @@ class _MemoryOracle:
 def _chunks_can_be_leaner(work: Workload, lay: Layout) -> bool:
     """Can an interleaved schedule need less memory than 1F1B? Where what a stage holds grows
     with its chunk's layers: weight gradients deferred over the chunk, or autocast's cache of
-    the chunk's bf16 weight copies through a fully recomputed forward (ZeRO-0 in bf16)."""
-    return defers_weight_grads(lay) or (work.dtype == "bfloat16" and lay.zero == 0 and lay.recompute == "full")
+    the chunk's bf16 weight copies through a fully recomputed forward (ZeRO-0 in bf16); and
+    under ZeRO-3, where a chunk without the embedding or head gathers no root unit (fsdp.py)."""
+    return (defers_weight_grads(lay) or lay.zero == 3
+            or (work.dtype == "bfloat16" and lay.zero == 0 and lay.recompute == "full"))
 
 
 def _leanest(work: Workload, dp: int, tp: int, cp: int, pp: int) -> list[Layout]:
@@ -238,13 +240,13 @@ def _leanest(work: Workload, dp: int, tp: int, cp: int, pp: int) -> list[Layout]
     out = [Layout(dp, tp, pp, cp, z, "full", 1, "1f1b") for z in zeros]
     m = work.global_batch // dp
     for kind, v in _schedules(work, pp):
-        lay = Layout(dp, tp, pp, cp, zeros[0], "full", 1, kind, v)
-        if kind == "interleaved" and _chunks_can_be_leaner(work, lay) and m % pp == 0:
-            try:
-                check_schedule(kind, pp, m, v)
-            except ScheduleError:
-                continue
-            out.append(lay)
+        for lay in (Layout(dp, tp, pp, cp, z, "full", 1, kind, v) for z in zeros):
+            if kind == "interleaved" and _chunks_can_be_leaner(work, lay) and m % pp == 0:
+                try:
+                    check_schedule(kind, pp, m, v)
+                except ScheduleError:
+                    continue
+                out.append(lay)
     return out
 
 
