@@ -617,6 +617,19 @@ def test_an_export_names_the_end_token_the_run_separated_documents_with(corpus, 
         hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf-{source.name}")
         chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
         assert chat == "<|eot_id|>user: hi"
+    # the same tokenizer.json and end token with another template: the same token cache (a hit), and
+    # the run carries its own template (it got the first run's, which the cache had recorded)
+    import shutil
+
+    shutil.copytree(tmp_path / "tok", tmp_path / "tok2")
+    (tmp_path / "tok2" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>",
+                                                                         "chat_template": "[{{ messages[0]['content'] }}]"}))
+    second = run_meshlm("train", "model.preset=debug", "model.vocab_size=520", f"data.tokenizer={tmp_path / 'tok2'}",
+                        *small_args(corpus, tmp_path / "run2"), "train.steps=1", "run.sample_tokens=0", in_process=True)
+    assert "(cached in" in second.stdout + second.stderr
+    export_hf(tmp_path / "run2" / "final", tmp_path / "hf-run2")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf-run2")
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
     # and `meshlm generate` of an empty prompt starts after that token too, not after <|endoftext|>
     import meshlm.train.generate as generate
 

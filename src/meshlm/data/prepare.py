@@ -146,6 +146,26 @@ def _progress(corpus: Corpus, done_bytes: int):
 # --------------------------------------------------------------------------- the tokenizer
 
 
+def tokenizer_config_of(pretrained: PretrainedTokenizer) -> dict:
+    """What a cache records beside a pretrained tokenizer.json: which of its tokens separates
+    documents (tokenizer.run_end_token) and its chat template, if it has one; checkpoints and
+    exports carry both (tokenizer.chat_template)."""
+    template = chat_template(pretrained.path)
+    return {"eos_token": pretrained.end_token, **({"chat_template": template} if template else {})}
+
+
+def write_tokenizer_config(directory: Path, pretrained: PretrainedTokenizer) -> None:
+    """`tokenizer_config_of` into `directory` (durable like every file the cache's meta.json vouches
+    for). Also on a cache hit where it differs: the cache key hashes the tokenizer.json and its end
+    token, not the template, which changes no token (a key with it would re-encode, and refuse the
+    resume of, every run whose tokenizer has one); caches from before templates were carried have
+    none. Two runs at once with one tokenizer.json and different templates: the last one prepared
+    is what both carry."""
+    config = tokenizer_config_of(pretrained)
+    if read_json(directory / TOKENIZER_CONFIG) != config:
+        write_json_atomically(directory / TOKENIZER_CONFIG, config)
+
+
 def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
     """(tokenizer, end-of-text id): the building directory's, else trained or copied now."""
     path = building / "tokenizer.json"
@@ -153,12 +173,7 @@ def _tokenizer(building: Path, plan: BuildPlan, log: Callable[[str], None]):
         if not path.is_file():  # the file itself, byte for byte: checkpoints and exports carry it exactly
             shutil.copyfile(plan.pretrained.path, building / ".tokenizer.json.tmp")
             replace_durably(building / ".tokenizer.json.tmp", path)
-        # which of its tokens separates documents (tokenizer.run_end_token), for checkpoints and exports
-        # (durable like every file the cache's meta.json vouches for)
-        # and its chat template, if it has one: exports carry it (tokenizer.chat_template)
-        template = chat_template(plan.pretrained.path)
-        write_json_atomically(building / TOKENIZER_CONFIG, {"eos_token": plan.pretrained.end_token,
-                                                            **({"chat_template": template} if template else {})})
+        write_tokenizer_config(building, plan.pretrained)
         log(f"data: encoding {plan.corpus.label} with {plan.pretrained.path} on {plan.workers} worker(s) ...")
         return plan.pretrained.tokenizer, plan.pretrained.end_id
     if path.is_file():  # resumed: the shards so far were encoded with exactly this one

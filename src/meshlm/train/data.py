@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from meshlm.config import ConfigError, DataConfig
 from meshlm.data.cache import cache_key, content_digest, is_complete
 from meshlm.data.encode import default_workers
-from meshlm.data.prepare import DATA_FORMAT_VERSION, BuildPlan, build
+from meshlm.data.prepare import DATA_FORMAT_VERSION, BuildPlan, build, write_tokenizer_config
 from meshlm.train.corpus import cache_root, find_corpus
 from meshlm.train.tokenizer import TOKENIZER_ALGORITHM, load_pretrained, load_tokenizer
 
@@ -127,6 +127,8 @@ def prepare_data(data_cfg: DataConfig, vocab_size: int, *, log: Callable[[str], 
     if not cache_hit:
         build(plan, log)
     prepared = load_prepared(cache_dir, cache_hit=cache_hit)
+    if cache_hit and pretrained is not None:
+        write_tokenizer_config(cache_dir, pretrained)
     if cache_hit:
         log(f"data: {prepared.corpus}: {prepared.n_train_tokens:,} train + {prepared.n_val_tokens:,} "
             f"held-out tokens, vocab {vocab_size} (cached in {cache_dir})")
