@@ -33,6 +33,16 @@ def test_quotas_round_weights_to_the_block_exactly():
     assert block_quotas([0.999, 0.001]).tolist() == [1023, 1]
 
 
+def test_a_weight_between_half_and_one_sample_a_block_gets_its_one_sample():
+    """Largest remainders: 0.6 of a sample outranks 0.4 of one, though its corpus has no whole
+    sample (a remainder taken as exact % floor(exact) is NaN there and ranked last)."""
+    exact = np.array([0.9994, 0.0006]) * 1024  # 1023.39 and 0.61 samples
+    assert block_quotas([0.9994, 0.0006]).tolist() == [1023, 1]
+    assert block_quotas([0.0006, 0.9994]).tolist() == [1, 1023]
+    assert np.all(np.abs(block_quotas([0.9994, 0.0006]) - exact) < 1)  # every quota rounds its exact share
+    assert block_quotas([0.3, 0.0007, 0.6993]).tolist() == [307, 1, 716]
+
+
 def test_sampled_frequencies_match_the_weights_within_sampling_error():
     weights = [0.6, 0.3, 0.1]
     loader = BlendLoader(list(zip(weights, tagged_streams([5000, 3000, 800]))), seq_len=8, global_batch_size=16, seed=5)
@@ -137,6 +147,19 @@ def test_a_prepared_blend_shares_one_tokenizer_and_evaluates_each_corpus(tmp_pat
     assert prepare_data(cfg, 320, log=lambda m: None).cache_hit  # prepared once
     single = prepare_data(DataConfig(path=blend[0][1], cache_dir=str(tmp_path / "cache")), 320, log=lambda m: None)
     assert isinstance(make_loader(single, 16, 8, 0), TokenLoader) and list(eval_sets(single, 16, windows=4, batch_size=2)) == ["prose"]
+
+
+def test_a_single_corpus_is_the_whole_of_what_a_loader_reads(tmp_path):
+    """Its sources are [[1, its cache]], as a blend's weights sum to 1: a state saved over one
+    corpus, loaded over another, names both caches, each as the whole of its run's data."""
+    blend = write_two_corpora(tmp_path)
+    prose, code = (prepare_data(DataConfig(path=p, cache_dir=str(tmp_path / "cache"), workers=1), 320,
+                                log=lambda m: None) for _, p in blend)
+    saved = make_loader(prose, 16, 8, 0)
+    assert saved.sources == [[1.0, prose.cache_dir.name]]
+    with pytest.raises(ValueError, match=f"saved over 1 x {prose.cache_dir.name}, this run reads 1 x "
+                                         f"{code.cache_dir.name};"):
+        make_loader(code, 16, 8, 0).load_state_dict(saved.state_dict())
 
 
 def test_corpora_with_the_same_directory_name_are_evaluated_each(tmp_path):

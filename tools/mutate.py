@@ -180,6 +180,15 @@ MODULES = {
         "tests/test_shm_barrier.py",
         "tests/test_shared_memory.py::test_window_collectives_equal_gloo_and_are_identical_on_every_rank",
         "tests/test_shared_memory.py::test_the_futex_barrier_runs_wherever_its_conditions_hold"]),
+    # Blends: the per-block quotas, the sampler's corpus and sample numbers, the loader's batches
+    # (pure in seed and step, tiled over dp, resumed), the config's errors, per-corpus evaluation.
+    "blend": ("src/meshlm/data/blend.py", ["tests/test_data_blend.py"]),
+    # Shard files: identical tokens and document offsets for any worker count and shard size, resume
+    # after SIGKILL, torn markers, durable markers, `data inspect`'s longest documents and counts.
+    "shards": ("src/meshlm/data/shards.py", [
+        "tests/test_data_prepare.py", "tests/test_data.py::test_prepare_data_round_trips_and_is_cached",
+        "tests/test_data_blend.py::test_inspect_reports_documents_tokens_longest_and_epochs_with_a_warning",
+        "-k", "not peak_memory and not bench_data"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
