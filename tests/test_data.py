@@ -322,7 +322,7 @@ def test_state_dict_resumes_exactly():
         run.microbatches(step, 0, 2, 1)
     state = run.state_dict()
     assert state == {"consumed_samples": 20, "seed": 9, "seq_len": 8, "global_batch_size": 4,
-                     "sources": [[1.0, None]]}
+                     "sources": [[1.0, None]], "sampling": "windows"}
     resumed = TokenLoader(tokens, 8, 4, seed=9)
     resumed.load_state_dict(state)
     assert resumed.next_step == 5 and resumed.consumed_samples(5) == 20

@@ -162,6 +162,39 @@ def test_a_single_corpus_is_the_whole_of_what_a_loader_reads(tmp_path):
         make_loader(code, 16, 8, 0).load_state_dict(saved.state_dict())
 
 
+def test_a_blend_of_one_corpus_and_that_corpus_alone_do_not_resume_each_other(tmp_path, monkeypatch):
+    """`data.blend = [[1, X]]` and `data.path = X` share a token cache, so their sources are the
+    same, but a blend draws the corpus's windows with its own seed: the same step is another batch.
+    A checkpoint of one resumed under the other (by the ranks, and by the launcher's check) was
+    accepted and replayed other windows."""
+    from meshlm.train.checkpoint import resume as resume_module
+
+    corpus = write_two_corpora(tmp_path)[0][1]
+    cache = str(tmp_path / "cache")
+    single = prepare_data(DataConfig(path=corpus, cache_dir=cache, workers=1), 320, log=lambda m: None)
+    blend = prepare_data(DataConfig(blend=[[1, corpus]], cache_dir=cache, workers=1), 320, log=lambda m: None)
+    alone, blended = make_loader(single, 16, 8, 0), make_loader(blend, 16, 8, 0)
+    assert alone.sources == blended.sources  # one cache, weight 1
+    assert not torch.equal(alone.global_batch(3)[0], blended.global_batch(3)[0])  # why neither may resume the other
+    for saved, other, words in ((alone, make_loader(blend, 16, 8, 0), "single corpus .*, this run reads over a blend"),
+                                (blended, make_loader(single, 16, 8, 0), "blend .*, this run reads over a single")):
+        with pytest.raises(ValueError, match=words):
+            other.load_state_dict(saved.state_dict())
+    for loader, data in ((alone, single), (blended, blend)):  # each resumes its own kind
+        fresh = make_loader(data, 16, 8, 0)
+        fresh.load_state_dict(loader.state_dict())
+        assert fresh.next_step == 4 and torch.equal(fresh.global_batch(4)[0], loader.global_batch(4)[0])
+
+    states = {}  # what the launcher reads of a checkpoint: its meta.json's loader state
+    monkeypatch.setattr(resume_module, "CheckpointReader", lambda path: type("R", (), {"meta": {"data": states[path]}}))
+    for saved, data, cfg, key in ((alone, blend, DataConfig(blend=[[1, corpus]]), "data.blend"),
+                                  (blended, single, DataConfig(path=corpus), "data.path")):
+        states[tmp_path] = saved.state_dict()
+        with pytest.raises(ConfigError, match=f"^{key}: checkpoint .* trained on 1 x {single.cache_dir.name} over a"):
+            resume_module.check_same_data(tmp_path, data, type("Cfg", (), {"data": cfg}))
+        resume_module.check_same_data(tmp_path, single if data is blend else blend, type("Cfg", (), {"data": cfg}))
+
+
 def test_corpora_with_the_same_directory_name_are_evaluated_each(tmp_path):
     """`a/prose` and `b/prose`: two held-out sets (a dict keyed by the label alone kept one)."""
     for sub, word in (("a", "sea"), ("b", "hill")):

@@ -144,6 +144,8 @@ def eval_sets(data, seq_len: int, *, windows: int, batch_size: int) -> dict:
 class BlendLoader(TokenLoader):
     """TokenLoader's interface (global/local/micro batches, state_dict) over a weighted blend."""
 
+    sampling = "blend"  # its samples are drawn otherwise than TokenLoader's, even over one corpus
+
     def __init__(self, parts: list[tuple[float, np.ndarray]], seq_len: int, global_batch_size: int, seed: int):
         self.corpora = [TokenLoader(tokens, seq_len, global_batch_size, seed + _CORPUS_SEED_STRIDE * (c + 1))
                         for c, (_, tokens) in enumerate(parts)]

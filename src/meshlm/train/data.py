@@ -186,6 +186,10 @@ class TokenLoader:
     global batch and never reads the other rows.
     """
 
+    # How samples map to windows, saved with the position: a blend of one corpus reads the same
+    # windows as that corpus alone, with the same sources, but in another order (data/blend.py).
+    sampling = "windows"
+
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int):
         if seq_len < 1 or global_batch_size < 1:
             raise ConfigError(f"train.seq_len / train.global_batch_size: must be >= 1, "
@@ -258,7 +262,8 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples(self.next_step), "seed": self.seed,
-                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size, "sources": self.sources}
+                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size, "sources": self.sources,
+                "sampling": self.sampling}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume after the last step handed out before the save: `next_step` is the step to run next."""
@@ -269,6 +274,9 @@ class TokenLoader:
         if "sources" in state and not same_sources(state["sources"], self.sources):  # absent: an older checkpoint
             raise ValueError(f"data loader state was saved over {describe_sources(state['sources'])}, this run "
                              f"reads {describe_sources(self.sources)}; resuming would not replay the same batches")
+        if state.get("sampling", self.sampling) != self.sampling:  # absent: an older checkpoint
+            raise ValueError(f"data loader state was saved {describe_sampling(state['sampling'])}, this run reads "
+                             f"{describe_sampling(self.sampling)}; resuming would not replay the same batches")
         consumed = state["consumed_samples"]
         if consumed < 0 or consumed % self.global_batch_size:
             raise ValueError(f"consumed_samples={consumed} is not a whole number of global batches "
@@ -284,6 +292,10 @@ def same_sources(saved: list, ours: list) -> bool:
 
 def describe_sources(sources: list) -> str:
     return " + ".join(f"{w:.4g} x {name or 'a corpus'}" for w, name in sources)
+
+
+def describe_sampling(sampling: str) -> str:
+    return "over a blend (data.blend)" if sampling == "blend" else "over a single corpus (data.path)"
 
 
 def eval_batches(val_tokens: np.ndarray, seq_len: int, *, windows: int, batch_size: int) -> list[Batch]:

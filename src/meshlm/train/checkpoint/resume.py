@@ -127,18 +127,25 @@ def check_same_data(path: Path | None, data, cfg: Config) -> None:
     replayed over other windows: not a resume. The launcher calls it once the cache is prepared,
     before any rank starts; a checkpoint from before the loader recorded its data is not checked."""
     from meshlm.data.blend import data_sources
-    from meshlm.train.data import describe_sources, same_sources
+    from meshlm.train.data import describe_sampling, describe_sources, same_sources
 
     if path is None:
         return
-    saved = CheckpointReader(path).meta["data"].get("sources")
+    state = CheckpointReader(path).meta["data"]
+    saved = state.get("sources")
     ours = data_sources(data)
+    key = "data.blend" if cfg.data.blend is not None else "data.path"
     if saved is not None and not same_sources(saved, ours):
-        key = "data.blend" if cfg.data.blend is not None else "data.path"
         raise ConfigError(f"{key}: checkpoint {path} was trained on {describe_sources(saved)}, this run reads "
                           f"{describe_sources(ours)} (another corpus or blend, or its content, tokenizer, vocabulary "
                           f"or data.val_fraction changed); resuming would not replay the same batches: use the "
                           f"same data, or checkpoint.resume=never")
+    sampling = "blend" if data.parts else "windows"  # a blend of one corpus has that corpus's sources
+    if state.get("sampling", sampling) != sampling:
+        raise ConfigError(f"{key}: checkpoint {path} was trained on {describe_sources(saved)} "
+                          f"{describe_sampling(state['sampling'])}, this run reads it {describe_sampling(sampling)}, "
+                          f"which orders its samples otherwise; resuming would not replay the same batches: use "
+                          f"the same setting, or checkpoint.resume=never")
 
 
 def _small_files_problem(path: Path) -> str | None:
