@@ -179,6 +179,61 @@ def test_a_torn_shard_marker_or_meta_json_is_built_again_not_a_traceback(tmp_pat
     assert np.array_equal(again.val_tokens(), fresh.val_tokens())
 
 
+def synthetic_chunk(k: int, rng) -> tuple:
+    """Chunk k: a few documents of random lengths, some held out whole (no train head)."""
+    from meshlm.data.encode import EncodedChunk
+
+    n = int(rng.integers(2, 6))
+    lengths = rng.integers(1, 40, size=(2, n))
+    train_index = np.flatnonzero(rng.random(n) < 0.8)
+    train_lengths, val_lengths = lengths[0][train_index], lengths[1]
+    train = (k * 1000 + np.arange(train_lengths.sum())).astype(np.uint16)
+    val = (k * 1000 + 500 + np.arange(val_lengths.sum())).astype(np.uint16)
+    names = [f"doc{k}.{i}" for i in range(n)]
+    return EncodedChunk(train, val, train_lengths.astype(np.int64), val_lengths.astype(np.int64), text_bytes=100 + k,
+                        worker_peak_bytes=0, train_index=train_index), names
+
+
+def test_shards_hold_their_chunk_count_merge_to_the_concatenation_and_resume_deletes_the_rest(tmp_path):
+    """ShardWriter alone, against sums computed here: a shard is marked after `shard_chunks`
+    chunks; the merge is every chunk's tokens in order with offsets at every document's end,
+    the totals and the longest train heads; resume keeps complete shards and deletes the rest."""
+    from meshlm.data.shards import LONGEST_KEPT, ShardWriter
+
+    rng = np.random.default_rng(0)
+    chunks = [synthetic_chunk(k, rng) for k in range(7)]
+    writer = ShardWriter(tmp_path / "shards", shard_chunks=3)
+    assert writer.resume() == 0
+    for k, (chunk, names) in enumerate(chunks):
+        writer.add(chunk, names)
+        assert len(writer.done) == (k + 1) // 3 and writer.done_chunks == 3 * ((k + 1) // 3)
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.json")) == ["00000.json", "00001.json"]
+    out = tmp_path / "out"
+    out.mkdir()
+    totals = writer.merge(out, np.dtype(np.uint16))
+    assert [shard["chunks"] for shard in writer.done] == [3, 3, 1] and totals["shards"] == 3
+    for split in ("train", "val"):
+        tokens = np.fromfile(out / f"{split}.bin", np.uint16)
+        assert np.array_equal(tokens, np.concatenate([getattr(c, split) for c, _ in chunks]))
+        lengths = np.concatenate([getattr(c, f"{split}_lengths") for c, _ in chunks])
+        assert np.array_equal(np.load(out / f"{split}.idx.npy"), np.concatenate([[0], np.cumsum(lengths)]))
+        assert totals[f"{split}_tokens"] == lengths.sum() and totals[f"{split}_documents"] == len(lengths)
+    assert totals["documents"] == sum(len(names) for _, names in chunks)
+    assert totals["text_bytes"] == sum(c.text_bytes for c, _ in chunks)
+    heads = sorted(([int(c.train_lengths[i]), names[int(j)]] for c, names in chunks
+                    for i, j in enumerate(c.train_index)), reverse=True)
+    assert totals["longest"] == heads[:LONGEST_KEPT]
+    # A kill during shard 2, with a later shard's files and a marker's temporary left behind:
+    # shards 0 and 1 are kept, everything after them deleted (the directory is reread from disk).
+    for name in ("00002.train.bin", "00003.json", "00003.val.bin", ".00002.json.tmp"):
+        (tmp_path / "shards" / name).write_bytes(b"x")
+    (tmp_path / "shards" / "00002.json").unlink()
+    again = ShardWriter(tmp_path / "shards", shard_chunks=3)
+    assert again.resume() == 2 and again.done == writer.done[:2]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == sorted(
+        f"{k:05d}.{kind}" for k in (0, 1) for kind in ("json", "train.bin", "val.bin", "lengths.npz"))
+
+
 def test_json_markers_reach_the_disk_before_their_name_does(tmp_path, monkeypatch):
     from meshlm.data.shards import write_json_atomically
 
