@@ -189,6 +189,16 @@ MODULES = {
         "tests/test_data_prepare.py", "tests/test_data.py::test_prepare_data_round_trips_and_is_cached",
         "tests/test_data_blend.py::test_inspect_reports_documents_tokens_longest_and_epochs_with_a_warning",
         "-k", "not peak_memory and not bench_data"]),
+    # The token cache's door and the loader: batches pure in (seed, step) and tiled over dp, every
+    # window once an epoch, resume and its checks, held-out batches and their dp shares, blends.
+    "train_data": ("src/meshlm/train/data.py", ["tests/test_data.py", "tests/test_data_blend.py"]),
+    # Hang verdicts from synthetic dumps: the rank never entered, followed to the one waiting on
+    # nothing, a missing p2p half, a GPU hang from how far each rank queued, deadlocks and cycles,
+    # ranks of other nodes (the tests that train a real run to get their dumps are left out).
+    "hang": ("src/meshlm/debug/hang.py", [
+        "tests/test_debug.py", "tests/test_debug_verdicts.py",
+        "-k", "not restarted and not skip_drops and not stop_raises and not unequal_evaluation and not oom and "
+              "not waits_for_its_peers and not barrier_timeout_is_dumped"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
