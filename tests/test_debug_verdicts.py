@@ -167,6 +167,7 @@ def test_collectives_called_in_different_orders_are_a_deadlock_not_one_ranks_han
               TP2_DP2[r])
     v = analyze(tmp_path)
     assert (v["verdict"], v["ranks"], v["seq"], v["op"]) == ("deadlock", [0, 1, 2, 3], 1, "all_reduce"), v["line"]
+    assert (v["group"], v["group_ranks"], v["step"]) == ("dp", [0, 2], 4)  # rank 0's wait, in step 3 + 1
     for rank, axis, nxt in ((0, "dp [0, 2]", 2), (2, "tp [2, 3]", 3), (3, "dp [1, 3]", 1), (1, "tp [0, 1]", 0)):
         assert f"rank {rank} waits in all_reduce #1 on {axis} for rank {nxt}" in v["line"]
     assert v["line"].startswith("deadlock: ranks 0, 1, 2, 3 wait on each other")
@@ -179,7 +180,7 @@ def test_a_cycle_of_two_receives_names_the_cycle_only(tmp_path):
     write(tmp_path, 1, 3, [rec(0, op="recv", axis="pp", peer=0, done=False)], {"dp": [1, 2]})
     write(tmp_path, 2, 3, [rec(0, axis="dp", done=False)], {"dp": [1, 2]})
     v = analyze(tmp_path)
-    assert (v["verdict"], v["ranks"]) == ("deadlock", [0, 1]), v["line"]
+    assert (v["verdict"], v["ranks"], v["group"]) == ("deadlock", [0, 1], "p2p"), v["line"]
 
 
 # ---------------------------------------------------------------- 4. nodes with a run.dir each
@@ -306,6 +307,43 @@ def test_a_p2p_hang_names_the_half_the_peer_never_posted(tmp_path):
     assert (v["verdict"], v["ranks"], v["seq"]) == ("hang", [1], 7)
     assert v["line"].startswith("hang: rank 1 never posted the receive from rank 0 #7 (p2p 0->1; rank 0 waits in "
                                 "its send)"), v["line"]
+
+
+def test_a_p2p_hang_from_a_higher_rank_names_the_receiver_as_the_one_waiting(tmp_path):
+    """Rank 0 waits in its receive #3 from rank 1, which never posted the send: the sender's
+    number is the larger, and the waiting rank is still the receiver."""
+    write(tmp_path, 0, 2, [rec(2, op="recv", axis="pp", peer=1), rec(3, op="recv", axis="pp", peer=1, done=False)], {})
+    write(tmp_path, 1, 2, [rec(2, op="send", axis="pp", peer=0)], {})
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"], v["group"]) == ("hang", [1], 3, "p2p")
+    assert v["line"].startswith("hang: rank 1 never posted the send to rank 0 #3 (p2p 1->0; rank 0 waits in "
+                                "its recv) at step 4"), v["line"]
+
+
+def test_a_hang_line_says_the_step_who_waited_how_long_and_where_the_ranks_it_waits_on_were(tmp_path):
+    """The step the hang is in (one past the most any rank completed), the waiters (plural or
+    not) and the longest any of them waited, the chain to the rank that waits on nothing, and
+    where that rank's main thread was."""
+    stack = {"MainThread (1)": ['File "/x/meshlm/train/trainer.py", line 200, in train_step\n    self.step()\n']}
+    for r, idle in ((0, 4.0), (1, 6.5), (3, 5.0)):  # three ranks wait in #5; rank 2 never called it
+        write(tmp_path, r, 4, [rec(4), rec(5, done=False, t=1.0)], {"dp": [0, 1, 2, 3]}, step=3 if r else 2,
+              idle_s=idle)
+    write(tmp_path, 2, 4, [rec(4)], {"dp": [0, 1, 2, 3]}, stacks=stack)
+    v = analyze(tmp_path)
+    assert v["step"] == 4 and v["line"] == (
+        "hang: rank 2 never entered collective #5 (all_reduce on dp [0, 1, 2, 3]) at step 4; ranks 0, 1, 3 waited "
+        "in it 6.5 s; rank 2 was in train_step (trainer.py:200)")
+    # tp {0,1} {2,3}, dp {0,2} {1,3}: rank 0 waits first, in tp #7, for rank 1, which waits in dp #3
+    # for rank 3, in no collective: the chain is named, and the one waiter in the singular.
+    chain = tmp_path / "chain"
+    write(chain, 0, 4, [rec(6, axis="tp"), rec(7, axis="tp", done=False, t=0.5)], TP2_DP2[0])
+    write(chain, 1, 4, [rec(6, axis="tp"), rec(3, axis="dp", done=False, t=1.0)], TP2_DP2[1])
+    write(chain, 2, 4, [rec(6, axis="tp"), rec(3, axis="dp")], TP2_DP2[2])
+    write(chain, 3, 4, [rec(6, axis="tp"), rec(2, axis="dp")], TP2_DP2[3], stacks=stack)
+    v = analyze(chain)
+    assert (v["ranks"], v["group"], v["seq"]) == ([3], "tp", 7)
+    assert v["line"] == ("hang: rank 1 never entered collective #7 (all_reduce on tp [0, 1]) at step 4 (which wait "
+                         "on rank 3); rank 0 waited in it 5.0 s; rank 3 was in train_step (trainer.py:200)"), v["line"]
 
 
 def test_the_watchdogs_line_is_one_write_so_ranks_lines_do_not_interleave(tmp_path, monkeypatch):
