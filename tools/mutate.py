@@ -198,7 +198,12 @@ MODULES = {
     "hang": ("src/meshlm/debug/hang.py", [
         "tests/test_debug.py", "tests/test_debug_verdicts.py",
         "-k", "not restarted and not skip_drops and not stop_raises and not unequal_evaluation and not oom and "
-              "not waits_for_its_peers and not barrier_timeout_is_dumped"]),
+              "not waits_for_its_peers and not barrier_timeout_is_dumped and not barrier_gives_up"]),
+    # The alpha-beta cost model: steps, bus factors and per-rank bytes against the ring formulas
+    # (and the ring's own counted bytes), tiers, the fit, profiles; `bench comm` and doctor against
+    # it; the planner, its main user.
+    "cost": ("src/meshlm/comm/cost.py", ["tests/test_comm.py", "tests/test_comm_bench.py", "tests/test_doctor.py",
+                                         "tests/test_plan.py", "-k", "not tracing_overhead"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
