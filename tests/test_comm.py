@@ -64,10 +64,22 @@ def test_fit_recovers_alpha_and_beta_and_shrugs_off_an_outlier():
     fit = fit_alpha_beta("all_reduce", 4, sizes, times)
     assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
     assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-6)
-    times[5] *= 6  # one stall on a noisy machine
-    fit = fit_alpha_beta("all_reduce", 4, sizes, times)
-    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=0.02)
-    assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=0.02)
+    # Stalls on a noisy machine: least absolute deviation passes through the clean points, so the
+    # fit is still the truth (to the IRLS floor); least squares, or IRLS stopped after a step or
+    # two, lands 2-4% off.
+    for stalled in ([5], [3, 9, 14]):
+        noisy = [t * 6 if i in stalled else t for i, t in enumerate(times)]
+        fit = fit_alpha_beta("all_reduce", 4, sizes, noisy)
+        assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-4), stalled
+        assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-4), stalled
+
+
+@pytest.mark.parametrize("op", ["all_scatter", "all_reduce_coalesced", "allreduce", "gather", "send_recv"])
+def test_an_unknown_op_is_refused_by_every_formula(op):
+    """Not priced as the nearest known op: names that sort between the known ones included."""
+    for formula in (lambda: steps(op, 4), lambda: bus_factor(op, 4), lambda: rank_traffic(op, 4, 0, 64, 4)):
+        with pytest.raises(ValueError, match=repr(op)):
+            formula()
 
 
 def test_profile_round_trips(tmp_path):

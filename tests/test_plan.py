@@ -310,7 +310,7 @@ def test_collectives_without_background_progress_hide_nothing_under_backward():
     from dataclasses import replace
 
     from meshlm.analysis.steptime import Workload
-    from meshlm.comm.cost import HARDWARE
+    from meshlm.comm.cost import HARDWARE, Topology
 
     class Device:  # the scaling bench's calibrated device: a flop rate and a comm topology
         def __init__(self, links):
@@ -340,6 +340,13 @@ def test_collectives_without_background_progress_hide_nothing_under_backward():
                  work.comm_time("all_gather", state, 2, 1) + work.comm_time("all_gather", blocks, 2, 1)
                  + work.comm_time("reduce_scatter", state, 2, 1))
         assert exposed.dp_comm_s == pytest.approx(whole, rel=1e-9), zero
+    # gloo's and NCCL's collectives progress while the host computes (a thread, a stream): every
+    # preset but the shared-memory one, and a topology that does not say, hides DDP's all-reduce.
+    lay = Layout(dp=2, tp=1, pp=1, cp=1, zero=0, recompute="none", micro_batch_size=8)
+    for links in [*(t for t in HARDWARE.values() if t is not shm), Topology("t", 8, shm.intra, shm.inter)]:
+        hides, waits = (step_time(Workload(cfg.model, 128, 16, "float32", Device(topo), 2, 2), lay).dp_comm_s
+                        for topo in (links, replace(links, background=False)))
+        assert hides < waits, links.name
 
 
 # --------------------------------------------------------------------------- the command line
