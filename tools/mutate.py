@@ -204,6 +204,12 @@ MODULES = {
     # it; the planner, its main user.
     "cost": ("src/meshlm/comm/cost.py", ["tests/test_comm.py", "tests/test_comm_bench.py", "tests/test_doctor.py",
                                          "tests/test_plan.py", "-k", "not tracing_overhead"]),
+    # Checkpoint pieces: every flat range's rectangles against the elements, a shard's offset and
+    # padding, the shape check; the stored tensors against the gathered weights (dp, tp, pp, tp4's
+    # replicated kv heads) and reshards between layouts, which place every piece of every rank.
+    "pieces": ("src/meshlm/train/checkpoint/pieces.py", [
+        "tests/test_checkpoint_pieces.py", "tests/test_checkpoint.py", "-k",
+        "pieces or stored_tensors or reshard"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
