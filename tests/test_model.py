@@ -57,14 +57,15 @@ def hf_twin(model: Llama):
     return hf
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,tied,seq", [
-    (4, 4, False, 16),   # multi-head
-    (8, 2, False, 13),   # grouped-query, odd length
-    (8, 2, True, 16),    # grouped-query, tied head
-    (4, 1, True, 7),     # multi-query
-    (4, 1, False, 64),   # full max_seq_len
+@pytest.mark.parametrize("n_heads,n_kv_heads,tied,seq,batch", [
+    (4, 4, False, 16, 2),   # multi-head
+    (8, 2, False, 13, 2),   # grouped-query, odd length
+    (8, 2, True, 16, 2),    # grouped-query, tied head
+    (4, 1, True, 7, 2),     # multi-query
+    (4, 1, False, 64, 2),   # full max_seq_len
+    (4, 2, False, 9, 4),    # grouped-query, as many sequences as query heads (dims of equal size)
 ])
-def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq):
+def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq, batch):
     cfg = small_cfg(n_heads=n_heads, n_kv_heads=n_kv_heads, tie_embeddings=tied, n_layers=3)
     model = built(cfg, seed=7)
     # Init std 0.02 gives near-uniform logits, in which an error could hide; scale the weights
@@ -74,11 +75,11 @@ def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq):
             if not name.endswith("norm.weight"):
                 p.mul_(5)
     hf = hf_twin(model)
-    tokens = torch.randint(0, cfg.vocab_size, (2, seq))
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     with torch.no_grad():
         ours = model(tokens)
         theirs = hf(input_ids=tokens, labels=tokens)
-    assert ours.dtype == torch.float32 and ours.shape == (2, seq, cfg.vocab_size)
+    assert ours.dtype == torch.float32 and ours.shape == (batch, seq, cfg.vocab_size)
     assert ours.abs().max() > 1.0  # the comparison below is not of near-zero numbers
     assert (ours - theirs.logits).abs().max() <= 1e-5
     assert abs(next_token_loss(ours, tokens) - theirs.loss) <= 1e-5

@@ -210,6 +210,10 @@ MODULES = {
     "pieces": ("src/meshlm/train/checkpoint/pieces.py", [
         "tests/test_checkpoint_pieces.py", "tests/test_checkpoint.py", "-k",
         "pieces or stored_tensors or reshard"]),
+    # The Llama decoder: logits and loss against Hugging Face's LlamaForCausalLM (MHA, GQA, MQA,
+    # tied), RMSNorm and RoPE against their formulas, causality, explicit positions, bf16, the tied
+    # head, meta init, parameter counts.
+    "llama": ("src/meshlm/model/llama.py", ["tests/test_model.py"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
