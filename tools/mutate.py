@@ -221,6 +221,12 @@ MODULES = {
     "deferred_wgrad": ("src/meshlm/parallel/pipeline/deferred_wgrad.py", [
         "tests/test_deferred_wgrad.py", "tests/test_pipeline.py",
         "tests/test_compile.py::test_compiled_blocks_train_as_one_eager_process_on_layouts[pp2]", "-k", "not loss_curve"]),
+    # FSDP units: which modules the policies make units (by class, by size bottom-up, a tied weight
+    # left to the common ancestor), each unit's shard, gathers, trims and frees: against torch's
+    # fully_shard and one process, the memory schedule, the accounted state.
+    "fsdp_units": ("src/meshlm/parallel/fsdp_units.py", [
+        "tests/test_fsdp.py", "tests/test_fsdp_schedule.py",
+        "tests/test_ddp.py::test_state_tensors_are_what_model_state_bytes_counts", "-k", "not loss_curve"]),
 }
 
 # Operators left out, and why: bit shifts, bitwise ops and powers in place of arithmetic crash or
