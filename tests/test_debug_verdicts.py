@@ -346,6 +346,36 @@ def test_a_hang_line_says_the_step_who_waited_how_long_and_where_the_ranks_it_wa
                          "on rank 3); rank 0 waited in it 5.0 s; rank 3 was in train_step (trainer.py:200)"), v["line"]
 
 
+def test_a_rank_already_past_the_collective_is_not_among_those_that_never_entered_it(tmp_path):
+    """Rank 0, the root of broadcast #5, finished it at once and now waits in #6; rank 1 waits in
+    #5 for rank 2, which never called it. Rank 0 is ahead, not absent: the hang is rank 2's."""
+    dp = {"dp": [0, 1, 2]}
+    write(tmp_path, 0, 3, [rec(4), rec(5, op="broadcast"), rec(6, done=False, t=2.0)], dp)
+    write(tmp_path, 1, 3, [rec(4), rec(5, op="broadcast", done=False, t=1.0)], dp)
+    write(tmp_path, 2, 3, [rec(4)], dp)
+    v = analyze(tmp_path)
+    assert (v["verdict"], v["ranks"], v["seq"], v["op"]) == ("hang", [2], 5, "broadcast"), v["line"]
+    assert v["line"].startswith("hang: rank 2 never entered collective #5 (broadcast on dp [0, 1, 2]) at step 4; "
+                                "rank 1 waited in it"), v["line"]
+
+
+def test_of_several_ranks_that_never_entered_the_first_is_the_one_described(tmp_path):
+    """Where the line describes one culprit's whereabouts, it is the lowest rank, as everywhere
+    else in a verdict (the ranks listed in order, a cycle told from its lowest rank)."""
+    def stack(function):
+        return {"MainThread (1)": [f'File "/x/meshlm/train/trainer.py", line 9, in {function}\n    pass\n']}
+
+    dp = {"dp": [0, 1, 2, 3]}
+    for r in (0, 1):
+        write(tmp_path, r, 4, [rec(4), rec(5, done=False, t=1.0)], dp)
+    write(tmp_path, 2, 4, [rec(4)], dp, stacks=stack("load_batch"))
+    write(tmp_path, 3, 4, [rec(4)], dp, stacks=stack("save_checkpoint"))
+    v = analyze(tmp_path)
+    assert v["ranks"] == [2, 3] and v["line"] == (
+        "hang: ranks 2, 3 never entered collective #5 (all_reduce on dp [0, 1, 2, 3]) at step 4; ranks 0, 1 waited in "
+        "it 5.0 s; rank 2 was in load_batch (trainer.py:9)"), v["line"]
+
+
 def test_the_watchdogs_line_is_one_write_so_ranks_lines_do_not_interleave(tmp_path, monkeypatch):
     import sys
 
