@@ -78,6 +78,29 @@ def test_blend_batches_are_a_pure_function_of_seed_and_step_and_tile_over_dp():
     assert resumed.next_step == 4 and torch.equal(resumed.global_batch(4)[0], b.global_batch(4)[0])
 
 
+def test_a_blends_samples_are_the_documented_draws_so_recorded_runs_replay():
+    """Recomputed here from data/blend.py's rule: block b orders its quotas by a permutation drawn
+    from (seed, "blend", b); the j-th sample of corpus c is window perm[j mod n_c] of its epoch
+    j // n_c, perm drawn from (seed + 7919 (c + 1), epoch). Another draw would still sample well,
+    but every recorded blend run would replay other batches."""
+    weights, seed, seq = [0.5, 0.3, 0.2], 11, 8
+    streams = tagged_streams([3000, 2000, 400])  # corpus 2: 49 windows, many epochs
+    x = torch.cat([BlendLoader(list(zip(weights, streams)), seq, 16, seed).global_batch(s)[0] for s in range(70)])
+    quotas = np.array([512, 307, 205])
+    orders = {b: np.random.default_rng([seed, int.from_bytes(b"blend", "big"), b]).permutation(np.repeat(np.arange(3), quotas))
+              for b in (0, 1)}
+    windows = {}
+    for g in range(len(x)):  # 1120 samples: into the second block
+        b, position = divmod(g, 1024)
+        c = orders[b][position]
+        j = b * quotas[c] + int((orders[b][:position] == c).sum())
+        n = (len(streams[c]) - 1) // seq
+        epoch, i = divmod(j, n)
+        if (c, epoch) not in windows:
+            windows[c, epoch] = np.random.default_rng([seed + 7919 * (c + 1), epoch]).permutation(n)
+        assert x[g, 0] == streams[c][windows[c, epoch][i] * seq], g
+
+
 def test_sampler_maps_each_corpus_onto_its_own_sample_numbers_once():
     sampler = BlendSampler([0.5, 0.25, 0.25], seed=0)
     corpus, local = sampler.assign(np.arange(3 * 1024))
@@ -113,7 +136,12 @@ def test_blend_config_errors_name_the_key(tmp_path):
     (tmp_path / "a.txt").write_text("text\n")
     good = [[0.7, str(tmp_path / "a.txt")], [0.3, str(tmp_path / "a.txt")]]
     assert parse_blend(good) == [(0.7, str(tmp_path / "a.txt")), (0.3, str(tmp_path / "a.txt"))]
+    assert len(parse_blend([[1000, str(tmp_path / "a.txt")], [0.6, str(tmp_path / "a.txt")]])) == 2  # 0.61 samples: 1
     for blend, words in [([], "non-empty"), ([[0, str(tmp_path / "a.txt")]], "weights must be > 0"),
+                         ([[1, str(tmp_path / "a.txt"), "x"]], "entry 0 must be \\[weight"),  # three fields
+                         ([[True, str(tmp_path / "a.txt")]], "entry 0 must be \\[weight"),  # a bool is no weight
+                         # 0.4 of 1000.4 is 0.41 samples a block: rounded to none (the weights normalised)
+                         ([[1000, str(tmp_path / "a.txt")], [0.4, str(tmp_path / "a.txt")]], "entry 1 .* under one"),
                          ([[1, str(tmp_path / "missing")]], "does not exist"), ([["x", "y"]], "must be \\[weight"),
                          # under half a sample in each block of 1024: rounded to none, never trained on
                          ([[1, str(tmp_path / "a.txt")], [0.0004, str(tmp_path / "a.txt")]],
