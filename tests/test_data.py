@@ -334,6 +334,18 @@ def test_state_dict_resumes_exactly():
 def test_loader_rejects_impossible_shapes():
     with pytest.raises(ConfigError, match="fewer than one window"):
         TokenLoader(counting_stream(16), 16, 4, seed=0)
+    # seq_len + 1 tokens are exactly one window: every sample is it, in training and held out
+    window = torch.from_numpy(counting_stream(17).astype(np.int64))
+    one = TokenLoader(counting_stream(17), 16, 4, seed=0)
+    assert one.n_windows == 1 and torch.equal(one.global_batch(2)[0], window[:16].expand(4, 16))
+    [(inputs, targets)] = eval_batches(counting_stream(17), 16, windows=2, batch_size=2)
+    assert torch.equal(inputs, window[:16].expand(2, 16)) and torch.equal(targets, window[1:].expand(2, 16))
+    # what to do: a training split wants more text, a held-out one also a larger share
+    with pytest.raises(ConfigError, match=r"training split has 16 tokens, .*; use more text or a shorter train\.seq_len$"):
+        TokenLoader(counting_stream(16), 16, 4, seed=0)
+    with pytest.raises(ConfigError, match=r"validation split has 16 tokens, .*; use more text, a larger "
+                                          r"data\.val_fraction or a shorter train\.seq_len$"):
+        eval_batches(counting_stream(16), 16, windows=2, batch_size=2)
     loader = TokenLoader(counting_stream(1000), 8, 6, seed=0)
     with pytest.raises(ConfigError, match="not divisible by dp=4"):
         loader.local_batch(0, 0, 4)

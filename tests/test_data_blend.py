@@ -132,6 +132,26 @@ def test_a_loader_state_loads_only_into_the_same_data():
     other.load_state_dict(older)
 
 
+def test_the_same_weights_written_otherwise_resume_either_way(tmp_path):
+    """[7, 2, 1] and [0.7, 0.2, 0.1] are one blend, though their normalised weights differ in the
+    last bit (0.7 and 0.7000000000000001): a checkpoint of either resumes under the other."""
+    (tmp_path / "a.txt").write_text("text\n")
+    corpus = np.arange(5000, dtype=np.uint16)
+
+    def loader(weights):
+        parts = parse_blend([[w, str(tmp_path / "a.txt")] for w in weights])
+        return BlendLoader([(w, corpus) for w, _ in parts], 8, 16, seed=0)
+
+    whole, fractions = loader([7, 2, 1]), loader([0.7, 0.2, 0.1])
+    assert whole.sources != fractions.sources  # not the same floats
+    for saved, resumed in ((whole, loader([0.7, 0.2, 0.1])), (fractions, loader([7, 2, 1]))):
+        saved.global_batch(5)
+        resumed.load_state_dict(saved.state_dict())
+        assert resumed.next_step == 6
+    with pytest.raises(ValueError, match="saved over 0.7 x a corpus"):
+        loader([6, 3, 1]).load_state_dict(whole.state_dict())
+
+
 def test_blend_config_errors_name_the_key(tmp_path):
     (tmp_path / "a.txt").write_text("text\n")
     good = [[0.7, str(tmp_path / "a.txt")], [0.3, str(tmp_path / "a.txt")]]
