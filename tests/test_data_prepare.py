@@ -232,6 +232,12 @@ def test_shards_hold_their_chunk_count_merge_to_the_concatenation_and_resume_del
     assert again.resume() == 2 and again.done == writer.done[:2]
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == sorted(
         f"{k:05d}.{kind}" for k in (0, 1) for kind in ("json", "train.bin", "val.bin", "lengths.npz"))
+    # A shard file shorter than its marker says (a disk that lost the tail): the merge refuses it.
+    shard = tmp_path / "shards" / "00001.train.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    expected = 2 * sum(c.train_lengths.sum() for c, _ in chunks[:6])
+    with pytest.raises(RuntimeError, match=f"train.bin has {expected - 2} bytes, expected {expected}$"):
+        again.merge(out, np.dtype(np.uint16))
 
 
 def test_json_markers_reach_the_disk_before_their_name_does(tmp_path, monkeypatch):
