@@ -189,6 +189,20 @@ def test_a_weight_tied_across_a_units_boundary_stays_in_the_common_ancestor():
             assert (params[name] - p).abs().max() <= 1e-5, name
 
 
+def test_a_size_policy_takes_a_module_holding_exactly_its_minimum():
+    """by_size(n): "at least n" parameters outside the units below, as torch's
+    size_based_auto_wrap_policy (`>= min_num_params`); decided bottom-up, so a parent holding
+    only what its children left is no unit."""
+    from meshlm.parallel.fsdp_units import choose_units
+
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4)))
+    names = lambda policy: [name for name, _ in choose_units(model, policy)]  # noqa: E731
+    assert names(by_size(16)) == ["<root>", "0", "1.0"]  # 16 each; the LayerNorm's 8, left to "1", too few: root
+    assert names(by_size(17)) == ["<root>", "1"]  # no linear alone; "1" with 16 + 8
+    assert names(by_size(8)) == ["<root>", "0", "1.0", "1.1"]  # the LayerNorm's 8 too
+    assert [len(params) for _, params in choose_units(model, by_size(16))] == [2, 1, 1]
+
+
 # --------------------------------------------------------------------------- end to end
 
 
