@@ -57,6 +57,17 @@ def test_topology_tiers_a_group_spanning_nodes_runs_at_the_slower_tier():
     assert 1.9 < t2 / t1 < 2.0
 
 
+def test_every_preset_is_of_its_hardwares_order_of_magnitude():
+    """A typo in a preset (8e-6 s as 8e-3, a bandwidth off by 1000) would skew every plan made
+    with it: per-step latencies between 1 us and 1 ms, bandwidths between 0.1 and 1000 GB/s, the
+    tier inside a node never slower than the one between nodes."""
+    for topology in HARDWARE.values():
+        for link in [topology.intra, topology.inter, *topology.op_links.values()]:
+            assert 1e-6 <= link.alpha_s <= 1e-3 and 1e8 <= link.bandwidth_Bps <= 1e12, (topology.name, link)
+        assert topology.intra.alpha_s <= topology.inter.alpha_s, topology.name
+        assert topology.intra.bandwidth_Bps >= topology.inter.bandwidth_Bps, topology.name
+
+
 def test_fit_recovers_alpha_and_beta_and_shrugs_off_an_outlier():
     sizes = [2**k for k in range(10, 27)]
     truth = Link(alpha_s=80e-6, bandwidth_Bps=1.2e9)
@@ -72,6 +83,16 @@ def test_fit_recovers_alpha_and_beta_and_shrugs_off_an_outlier():
         fit = fit_alpha_beta("all_reduce", 4, sizes, noisy)
         assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-4), stalled
         assert fit.bandwidth_Bps == pytest.approx(truth.bandwidth_Bps, rel=1e-4), stalled
+
+
+def test_times_that_do_not_grow_with_the_size_are_all_latency():
+    """Small messages on a noisy machine can even get faster with size: the free fit's bandwidth
+    term comes out negative, is dropped, and the latency-only fit (alpha the time per step, the
+    bandwidth infinite) beats the bandwidth-only one."""
+    sizes = [2**k for k in range(10, 21)]
+    times = [6 * 80e-6 * (1 - 0.001 * i) for i in range(len(sizes))]  # all_reduce over 4: 6 steps
+    fit = fit_alpha_beta("all_reduce", 4, sizes, times)
+    assert fit.bandwidth_Bps == float("inf") and fit.alpha_s == pytest.approx(80e-6, rel=0.01)
 
 
 @pytest.mark.parametrize("op", ["all_scatter", "all_reduce_coalesced", "allreduce", "gather", "send_recv"])
