@@ -552,6 +552,15 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     assert meshlm_main(["export", "--checkpoint", str(trained), "--out", str(tmp_path / "again")]) == 0
     imported, exported = load_file(other / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert imported.keys() == exported.keys() and all(torch.equal(imported[k], exported[k]) for k in imported)
+    # a train running in that directory (its lock held): refused, nothing replaced or moved
+    from meshlm.train.run_lock import run_dir_lock
+
+    before = (trained / "final" / "model.safetensors").read_bytes()
+    with run_dir_lock(trained):
+        line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(trained), "--force",
+                                code=2)
+    assert line.startswith(f"meshlm: error: --out: {trained} is in use by another meshlm train")
+    assert (trained / "final" / "model.safetensors").read_bytes() == before
     (tmp_path / "afile").write_text("")
     line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "afile" / "x"), code=2)
     assert line.startswith(f"meshlm: error: --out: {tmp_path / 'afile' / 'x'} cannot be made")  # was a traceback

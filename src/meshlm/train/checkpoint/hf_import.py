@@ -70,11 +70,18 @@ def import_hf(source: Path, run_dir: Path, replace: bool = False) -> tuple[Path,
         for name, p in model.named_parameters():  # a tied head is the embedding: listed once
             rows, cols = as_2d(tuple(p.shape))
             reader.read("model", name, Rect(0, 0, rows, cols), p.view(rows, cols))
-    final = save_final(model.state_dict(), cfg, source / "tokenizer.json", Path(run_dir))
-    aside = None
-    if list_checkpoints(run_dir / "checkpoints"):
-        from meshlm.train.checkpoint.resume import aside_path
+    from meshlm.train.run_lock import run_dir_lock
 
-        aside = aside_path(run_dir / "checkpoints")
-        os.replace(run_dir / "checkpoints", aside)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a train running there would have its final/ replaced and its checkpoints moved under it
+        with run_dir_lock(run_dir):
+            final = save_final(model.state_dict(), cfg, source / "tokenizer.json", run_dir)
+            aside = None
+            if list_checkpoints(run_dir / "checkpoints"):
+                from meshlm.train.checkpoint.resume import aside_path
+
+                aside = aside_path(run_dir / "checkpoints")
+                os.replace(run_dir / "checkpoints", aside)
+    except ConfigError as e:  # the lock's, naming run.dir: the user named --out
+        raise ConfigError(str(e).replace("run.dir:", "--out:", 1)) from None
     return final, aside
