@@ -57,6 +57,15 @@ def hf_twin(model: Llama):
     return hf
 
 
+def scale_up(model) -> None:
+    """Init std 0.02 gives near-uniform logits, in which an error could hide; scale the weights
+    up. x5 keeps fp32 rounding (SDPA vs HF's eager matmuls) ~7x below the 1e-5 tolerance."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.mul_(5)
+
+
 @pytest.mark.parametrize("n_heads,n_kv_heads,tied,seq,batch", [
     (4, 4, False, 16, 2),   # multi-head
     (8, 2, False, 13, 2),   # grouped-query, odd length
@@ -68,12 +77,7 @@ def hf_twin(model: Llama):
 def test_logits_and_loss_match_hugging_face(n_heads, n_kv_heads, tied, seq, batch):
     cfg = small_cfg(n_heads=n_heads, n_kv_heads=n_kv_heads, tie_embeddings=tied, n_layers=3)
     model = built(cfg, seed=7)
-    # Init std 0.02 gives near-uniform logits, in which an error could hide; scale the weights
-    # up. x5 keeps fp32 rounding (SDPA vs HF's eager matmuls) ~7x below the 1e-5 tolerance.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(5)
+    scale_up(model)
     hf = hf_twin(model)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     with torch.no_grad():
@@ -105,10 +109,7 @@ def test_llama3_rope_scaling_matches_hugging_face(tied, seq):
     scaled = scaling.apply(inv_freq)
     assert torch.equal(scaled[kept], inv_freq[kept]) and torch.equal(scaled[divided], inv_freq[divided] / 8)
     model = built(cfg, seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(5)
+    scale_up(model)
     hf = hf_twin(model)
     assert torch.equal(hf.model.rotary_emb.inv_freq, scaled)
     tokens = torch.randint(0, cfg.vocab_size, (2, seq))
