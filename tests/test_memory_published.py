@@ -19,7 +19,7 @@ from fractions import Fraction
 import pytest
 
 from meshlm.analysis.memory import predict, rank_parameters
-from meshlm.analysis.memory_terms import engine_state
+from meshlm.analysis.memory_state import engine_state
 from meshlm.config import load_config, resolve
 from meshlm.parallel.tensor import activation_bytes_per_layer, korthikanti_bytes_per_layer
 

@@ -3,7 +3,7 @@ activations and transient buffers for any config and layout, without starting a 
 Reduces: guessing why a run does not fit; each term is a formula over the config (nothing fitted).
 Costs: nothing at run time; its accuracy is what `tests/test_memory.py` measures against the
 trainer's per-rank `mem_peak_bytes` (CPU: live tensor bytes; GPU: the CUDA allocator's peak), and
-`tests/test_memory_phases.py` window by window inside the step. The terms are in memory_terms.py.
+`tests/test_memory_phases.py` window by window inside the step. The terms are in memory_terms.py and memory_state.py.
 
 How the peak is found. A rank's step is its program: the forwards and backwards of its
 micro-batches in the order the engine runs them (for a pipeline, the schedule's own instruction
@@ -41,9 +41,10 @@ from dataclasses import asdict, dataclass
 
 from meshlm.analysis.memory_schedule import boundary_held_bytes, compute_program
 from meshlm.analysis.memory_schedule import micro_batches_in_flight  # noqa: F401 (API)
+from meshlm.analysis.memory_state import engine_state
 from meshlm.analysis.memory_terms import (activation_itemsize, autocast, bf16_weights, block_saved_bytes,
                                           block_saved_weight_copy_bytes, block_weight_copy_bytes, boundary_bytes,
-                                          chunk_saved_bytes, deferred_wgrad_bytes, engine_state,
+                                          chunk_saved_bytes, deferred_wgrad_bytes,
                                           head_saved_bytes, largest_block_weight, largest_deferred_weight,
                                           last_stage, layer_parameters,
                                           loss_transient_bytes, microbatch_tokens, rank_parameters,
