@@ -203,6 +203,7 @@ def _meshlm(*args):
     (["bench", "data", "--pairs", "x"], "--pairs"),
     (["bench", "comm", "--sizes", "x"], "--sizes"),  # its own check after argparse's
     (["bench", "dp", "--steps", "x"], "--steps"),
+    (["memory", "--nproc", "8"], "meshlm memory --help"),  # an option of another command: its own help named
 ])
 def test_cli_exits_2_with_one_line_and_no_traceback(args, key, tmp_path):
     """Through meshlm.cli.main in this process (what `python -m meshlm.cli` runs; an exception that

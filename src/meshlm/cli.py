@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     # ones after it over; they are overrides still, in order.
     args, extra = parser.parse_known_args(argv)
     if extra and (not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = sub.choices[args.command]  # its error names its own --help (a `bench`'s: meshlm bench's)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     commands = {"import": cmd_import, "train": cmd_train, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
