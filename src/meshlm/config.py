@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.config_ranges import RANGES, check_ranges  # noqa: F401 (RANGES: re-exported)
-from meshlm.errors import ConfigError, RunError  # noqa: F401 (RunError: re-exported)
+from meshlm.errors import ConfigError, RunError, unusable_directory  # noqa: F401 (RunError: re-exported)
 from meshlm.model.presets import PRESETS
 
 
@@ -373,11 +373,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if d.path is not None:  # ~ as the corpus reader and data.blend read it
         _require(Path(d.path).expanduser().exists(), f"data.path: {d.path} does not exist")
     for key, where in (("run.dir", cfg.run.dir), ("data.cache_dir", d.cache_dir)):
-        if where is not None:  # it, or the nearest part of its path that exists, must be a directory
-            path = Path(where).expanduser().absolute()
-            found = next(p for p in (path, *path.parents) if p.exists())
-            _require(found.is_dir(), f"{key}: {where} exists and is not a directory" if found == path
-                     else f"{key}: {where} cannot be made: {found} is not a directory")
+        problem = unusable_directory(where, key) if where is not None else None
+        _require(problem is None, problem)
     if d.blend is not None:  # [[weight, path], ...]: the shape, positive weights, existing paths
         from meshlm.data.blend import parse_blend
 

@@ -23,6 +23,17 @@ def unwritable(path: str | None, flag: str) -> str | None:
     return None if parent.is_dir() else f"{flag}: {parent} is not a directory"
 
 
+def unusable_directory(path: str | Path, flag: str) -> str | None:
+    """Why `path` cannot be a directory to write into, naming `flag`: it, or the nearest part of
+    its path that exists, is not a directory; None if it is one or can be made."""
+    full = Path(path).expanduser().absolute()
+    found = next(p for p in (full, *full.parents) if p.exists())
+    if found.is_dir():
+        return None
+    return f"{flag}: {path} exists and is not a directory" if found == full else \
+        f"{flag}: {path} cannot be made: {found} is not a directory"
+
+
 def usage_error(message: str) -> int:
     """Print a bad-usage line the way every command does; returns exit code 2."""
     print(f"meshlm: error: {message}", file=sys.stderr)

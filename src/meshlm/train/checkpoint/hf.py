@@ -219,8 +219,9 @@ def init_source_fields(path: Path) -> dict:
         shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                       "rope_theta", "tie_embeddings", "norm_eps")
         # the rope scaling keys: a checkpoint from before they existed was trained without scaling
-        scaling = {k: saved.get(k) for k in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                                             "rope_original_max_seq_len")}
+        from meshlm.config import ROPE_SCALING_KEYS
+
+        scaling = {k: saved.get(k) for k in ROPE_SCALING_KEYS}
         return {**{k: saved[k] for k in shape_keys}, "rope_scaling": saved.get("rope_scaling") or "none", **scaling}
     return model_fields_from_hf(read_llama_config(path), path)
 

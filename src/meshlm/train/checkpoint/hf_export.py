@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from meshlm.config import ConfigError, ModelConfig, load_config
+from meshlm.errors import unusable_directory
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
 from meshlm.train.checkpoint.store import write_safetensors
 from meshlm.train.tokenizer import TOKENIZER_CONFIG, chat_template, load_tokenizer, run_end_token
@@ -157,10 +158,9 @@ EXPORTED = (HF_WEIGHTS, HF_CONFIG, "tokenizer.json", TOKENIZER_CONFIG)  # what a
 def _check_out(out: Path) -> None:
     """`out` may be new, empty, or an earlier export (replaced whole: nothing in it but what an
     export writes); anything else is kept safe, another model's directory above all."""
-    if not out.exists():  # it, or the nearest part of its path that exists, must be a directory
-        found = next(p for p in out.parents if p.exists())
-        if not found.is_dir():
-            raise ConfigError(f"--out: {out} cannot be made: {found} is not a directory")
+    if not out.exists():
+        if problem := unusable_directory(out, "--out"):
+            raise ConfigError(problem)
         return
     foreign = [] if not out.is_dir() else sorted(p.name for p in out.iterdir() if p.name not in EXPORTED)
     if not out.is_dir() or foreign or (any(out.iterdir()) and not (out / HF_CONFIG).is_file()):
