@@ -129,15 +129,15 @@ GRID: list[tuple[int, str, tuple[str, ...]]] = [  # (ranks, the collectives' bac
     (2, "shm", ("parallel.pp=2", "train.dtype=bfloat16", "train.recompute=full")),
     (4, "shm", ("parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=8",
                 "train.dtype=bfloat16", "train.recompute=full", "train.seq_len=16")),
-]
-# Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
-NOT_YET: list[tuple[int, str, tuple[str, ...]]] = [
-    # interleaved under autocast and full recompute, few tokens, one rank: backwards -15% to -18%
-    # (the first block's own fp32 .grads exist while its attention is rebuilt; docs/memory.md)
+    # ... at one data-parallel rank, few tokens and a wide MLP: a chunk's first backward makes its
+    # first block's MLP .grads (each cast from bf16) while the block's attention is rebuilt (-18%
+    # and -15% in the first backwards before)
     (2, "shm", ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "model.n_layers=8",
                 "train.dtype=bfloat16", "train.recompute=full", "train.seq_len=16", "train.micro_batch_size=1",
                 "train.global_batch_size=4", "model.dim=128", "model.ffn_dim=352")),
 ]
+# Not yet within 10% (docs/memory.md says where): printed by the table, not asserted.
+NOT_YET: list[tuple[int, str, tuple[str, ...]]] = []
 
 
 def measured_vs_predicted(corpus: Path, run_dir: Path, grid=GRID) -> list[tuple]:

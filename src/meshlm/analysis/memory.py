@@ -249,8 +249,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         # norm's backward, whose three fp32 temporaries (the input squared, its scaled gradient and
         # their product; fp32 in any dtype) outweigh them where the MLP is narrow and in bf16
         norm_tokens = tokens // p.tp if p.sp else tokens
+        norm_temporaries = 3 * norm_tokens * m.dim * 4
         transient = incoming + sp_gathered + max(tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg),
-                                                 3 * norm_tokens * m.dim * 4)
+                                                 norm_temporaries)
         if fsdp and not uses_root:  # (see root_held)
             root_off = (0 if root_held else s.root_kept) + s.weight_grad
         during = s.gathered_backward - root_off + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
@@ -290,6 +291,18 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         # (a chunk of one block whose shard is made inside it: the point above has it)
         point("block backward", rest + block_saved, not (shard_inside and layers[stage] == 1), during + above,
               first_share)
+        if new_chunk and not deferred:
+            # the MLP's backward precedes the attention's: its weights' .grads are made while the
+            # attention's saved or rebuilt tensors live; the MLP's own (gate, up, silu(gate),
+            # product and, rebuilt, its bf16 weight copies: w2's only under SP) are gone. Its last
+            # moments: the last weight's gradient made in bf16 and cast to the fp32 .grad
+            # (autocast), then the ffn norm's backward (its fp32 temporaries), beside the incoming gradient
+            weight = m.dim * (m.ffn_dim // p.tp)
+            mlp = 4 * tokens * (m.ffn_dim // p.tp) * activation_itemsize(cfg)
+            gone = mlp + (2 * weight * (1 if p.sp else 3) if autocast(cfg) else 0) if rebuilt else 0
+            point("block backward", rest + block_saved - (0 if rebuilt else mlp), True,
+                  during - transient + incoming + sp_gathered + max(norm_temporaries, 2 * weight * autocast(cfg))
+                  + above - gone, first_share + 3 * weight / n)
         if fsdp:  # the top block completes (its unit launched, none waited for yet); the rest still hold activations
             point("gradient reduction", live - block_saved, True, s.reduction - root_off)
         grads = True
