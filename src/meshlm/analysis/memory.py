@@ -244,6 +244,14 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
             # make the step's gradient buffer here, ZeRO-2 stages the head's bucket and reduces it
             point("head backward", live, grads or s.grads_early,
                   s.gathered_loss + prefetched + head_wgrad + incoming + s.in_flight + owed_head)
+            # then the final norm's backward: of what the last stage saves beyond its blocks only
+            # the norm's fp32 input (the upcast, or the fp32 residual itself) and statistic are
+            # left, beside its fp32 temporaries at the statistic's backward (the normalising
+            # product's input gradient, kept to the last add, the mean's expanded gradient, x, 2x
+            # and their product: five of [tokens, h]; the head's input gradient is consumed)
+            norm_tokens = tokens // p.tp if p.sp else tokens
+            point("head backward", live - (head - vocab) + norm_tokens * (4 * m.dim + 4), grads or s.grads_early,
+                  s.gathered_loss + prefetched + s.in_flight + owed_head + 5 * norm_tokens * m.dim * 4)
             live -= head - vocab  # the rest goes with the final norm's backward
         # inside a block's backward: the MLP's gate and up gradients beside the incoming one, or a
         # norm's backward, whose three fp32 temporaries (the input squared, its scaled gradient and
