@@ -47,6 +47,7 @@ from meshlm.parallel.flat_buffer import ReadyTracker, Segment, Slot, weak_hook
 from meshlm.parallel.fsdp_units import (Unit, ValueSource, WrapPolicy, by_class, by_size,  # noqa: F401 (by_*: API)
                                         choose_units, values_from_parameters)
 from meshlm.parallel.mixed_precision import FP32, MasterSegment, MixedPrecision, SegmentAdamW, storage_bytes
+from meshlm.parallel.vocab_parallel import VocabParallelEmbedding
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -74,7 +75,10 @@ class FullyShardedDataParallel:
         for sub in module.modules():
             for p in sub.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(sub)
-        tail_ids = {pid for pid, mods in owners.items() if len(mods) == 1 and type(mods[0]) is nn.Embedding}
+        # (the vocabulary-parallel embedding too: its lookup saves only indices, as nn.Embedding's;
+        # left out, tensor parallelism kept the table unsharded through the loss and the head's backward)
+        tail_ids = {pid for pid, mods in owners.items()
+                    if len(mods) == 1 and type(mods[0]) in (nn.Embedding, VocabParallelEmbedding)}
         if groups and groups[0][1]:
             root_params = groups[0][1]
             groups[0] = (groups[0][0], [x for x in root_params if id(x[1]) not in tail_ids]
