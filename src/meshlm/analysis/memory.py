@@ -201,10 +201,16 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                 if autocast(cfg) and cfg.train.recompute == "full":
                     cached = 2 * largest_block_weight(cfg) + 2 * tokens * m.dim
             head_cached = 2 * vocab_local(cfg) * m.dim if autocast(cfg) and p.sp and stage == last else 0
-            if s.root_gather and uses_root:  # FSDP: the forward starts by gathering the root
+            # FSDP gathers the root where the call first enters a module holding it: the first
+            # stage's forward starts with it (the embedding); a later last stage's blocks run
+            # before its final norm does, without it unless an earlier forward kept it
+            late_root = fsdp and stage == last and stage > 0
+            if s.root_gather and uses_root and not late_root:
                 point("forward", live, grads, s.root_gather)
-            point("forward", live + blocks[stage], grads,
-                  s.gathered_forward - root_off + unsaved + sp_gathered + cached)
+            point("forward", live + blocks[stage], grads, s.gathered_forward - root_off + unsaved + sp_gathered
+                  + cached - (s.root_gathered if late_root and not root_held else 0))
+            if late_root and not root_held:
+                point("forward", live + blocks[stage], grads, s.root_gather + sp_gathered)
             live += saved[stage]
             root_held = root_held or (fsdp and uses_root)
             # the last stage's head computes on its all-gathered input (SP)
@@ -312,7 +318,9 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
                   during - transient + incoming + sp_gathered + max(norm_temporaries, 2 * weight * autocast(cfg))
                   + above - gone, first_share + 3 * weight / n)
         if fsdp:  # the top block completes (its unit launched, none waited for yet); the rest still hold activations
-            point("gradient reduction", live - block_saved, True, s.reduction - root_off)
+            # (the block below it prefetched, if the chunk has one)
+            point("gradient reduction", live - block_saved, True,
+                  s.reduction - root_off - (0 if layers[stage] > 1 else s.prefetched))
         grads = True
         if new_chunk:
             made_chunks.add(chunk)
