@@ -222,11 +222,14 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
                            grads_after_top_block=True, shard_after=shard_after, shard_in_flight=after_first,
                            finishes_in_backward=True)
     unit = layer_parameters(m, p.tp)
-    embedding = counts["embedding"] if not m.tie_embeddings else 0  # freed after forward (fsdp.py)
+    # the embedding's table is freed after forward (fsdp.py) unless it is the head too: tied on one
+    # stage (a pipeline's first stage holds the table alone, the last its own copy)
+    tied_here = m.tie_embeddings and p.pp == 1
+    embedding = counts["embedding"] if not tied_here else 0
     root = counts["embedding"] + counts["head"] + counts["norm"]
     # The embedding's gradient completes the root unit: the root's fp32 staging is made beside it
     # and the head's gradient, waiting since the head's backward.
-    root_done = 4 * root + item * counts["head"] if embedding_grad and not m.tie_embeddings else 0
+    root_done = 4 * root + item * counts["head"] if embedding_grad and not tied_here else 0
     return EngineState(4 * n / d, 4 * n / d, 8 * n / d, 0,
                        gathered_forward=item * (root + unit), gathered_after_forward=item * root,
                        gathered_loss=item * (root - embedding),
