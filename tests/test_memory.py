@@ -155,12 +155,12 @@ def test_cpu_peak_is_measured_on_the_first_steps_and_every_interval_and_carried_
     assert measured == [True, True, False, False] and resumed.last_peak == 4000
 
 
-def _memory_json(capsys, *args: str) -> dict:
+def _memory_json(capsys, *args: str, code: int = 0) -> dict:
     import json
 
     from meshlm.cli import main
 
-    assert main(["memory", "--json", *args]) == 0
+    assert main(["memory", "--json", *args]) == code
     return json.loads(capsys.readouterr().out)
 
 
@@ -187,10 +187,25 @@ def test_each_pipeline_role_counts_the_ranks_that_have_it(capsys):
 def test_memory_names_the_changes_that_would_fit(capsys):
     out = _memory_json(capsys, "--device-memory", "80GiB", "model.preset=llama3-8b", "parallel.dp=8",
                        "train.dtype=bfloat16", "train.seq_len=8192", "train.micro_batch_size=1",
-                       "train.global_batch_size=64")
+                       "train.global_batch_size=64", code=1)
     assert not out["fits"] and out["peak_bytes"] > 80 * 2**30
     assert out["suggestions"] and all(s["peak_bytes"] <= 80 * 2**30 for s in out["suggestions"])
     assert "parallel.zero=3" in [s["overrides"] for s in out["suggestions"]]
+
+
+def test_memory_exits_1_when_the_peak_does_not_fit_as_plan_does(capsys):
+    """A verdict a script can gate a launch on: 1 when the peak exceeds the device's memory (text
+    and JSON alike, the report still printed), 0 when it fits or no capacity is known."""
+    from meshlm.cli import main
+
+    config = ["model.preset=llama3-8b", "parallel.dp=8", "train.dtype=bfloat16", "train.seq_len=8192",
+              "train.micro_batch_size=1", "train.global_batch_size=64"]
+    assert main(["memory", "--device-memory", "80GiB", *config]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["memory", "--device-memory", "80GiB", *config, "parallel.zero=3"]) == 0
+    assert ": fits" in capsys.readouterr().out
+    assert main(["memory", *config]) == 0  # no GPU here, no --device-memory: no verdict
+    assert "fit" not in capsys.readouterr().out
 
 
 def test_memory_pipeline_roles_and_plot(capsys, tmp_path):

@@ -184,7 +184,8 @@ def cmd_simulate(args) -> int:
 def _memory_parser(sub) -> None:
     p = sub.add_parser("memory", help="predicted per-rank memory of a config, by category (no ranks started)",
                        description="The memory model's breakdown per rank role for the same keys as meshlm train; "
-                                   "the layout comes from parallel.* alone. See docs/memory.md.")
+                                   "the layout comes from parallel.* alone. Exits 1 when the peak exceeds the "
+                                   "device's memory, 2 on bad input. See docs/memory.md.")
     p.add_argument("--config", help="a TOML config file (see configs/)")
     p.add_argument("--device-memory", help="capacity per rank, e.g. 80GiB (default: the visible GPU's)")
     p.add_argument("--backend", choices=("nccl", "gloo", "shm"), default="nccl",

@@ -174,7 +174,7 @@ def run(args) -> int:
             out["phases"] = [[{"instruction": at, **r.as_dict()} for at, r in rank_points(cfg, pp_rank, backend)]
                              for pp_rank in range(cfg.parallel.pp)]
         print(json.dumps(out))
-        return 0
+        return 0 if fits else 1
     print(format_report(cfg, report, capacity))
     if args.phases:
         print(format_phases(cfg, backend))
@@ -187,4 +187,6 @@ def run(args) -> int:
             print("no single change fits: combine them (meshlm plan searches all layouts)")
     if args.plot:
         print(f"plot: {args.plot}")
-    return 0
+    # as `meshlm plan` exits 1 when nothing fits: a script can gate a launch on the verdict
+    # (bad input stays 2; with no capacity known, on a machine without a GPU, there is no verdict)
+    return 0 if fits else 1
