@@ -351,7 +351,13 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         if s.widened and i == last_index:
             # ZeRO-1 in bf16: the syncing backward (or its flush) launches the last bucket, whose
             # fp32 copy lives from there to finish_backward (ddp.py `_launch`)
-            point("weight gradients" if deferred else "gradient reduction", live, True, s.widened)
+            # (in a flush: after the next sends and receives are posted, from the hook of the
+            # bucket's last weight gradient, alive meanwhile: the store holds the bottom block's
+            # attention projections last, the q projection the largest of them)
+            flushing = s.param_item * m.dim * (m.n_heads // p.tp) * m.head_dim if deferred else 0
+            boundary = held[i][1] if deferred else boundary
+            point("weight gradients" if deferred else "gradient reduction", live, True, s.widened + flushing)
+            boundary = held[i][0]
         if fsdp:  # the backward's end launches the chunk's units not launched yet and waits for them:
             # the chunk's shards exist (not the other chunks' of an interleaved rank: their units
             # are reduced by their own backwards). The root's, reduced last, is made beside its
