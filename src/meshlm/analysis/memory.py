@@ -264,8 +264,12 @@ def rank_points(cfg: Config, pp_rank: int, backend: str = "nccl") -> list[tuple[
         # their product; fp32 in any dtype) outweigh them where the MLP is narrow and in bf16
         norm_tokens = tokens // p.tp if p.sp else tokens
         norm_temporaries = 3 * norm_tokens * m.dim * 4
+        # ... or, earlier, w2's weight gradient as its linear makes it (under autocast in bf16 and
+        # cast for the fp32 weight, whose bf16 copy is gone by then), before it is accumulated:
+        # the gate and up gradients do not exist yet (a deferring backward makes none)
+        weight_grad = 0 if deferred else s.param_item * m.dim * (m.ffn_dim // p.tp)
         transient = incoming + sp_gathered + max(tokens * 2 * m.ffn_dim // p.tp * activation_itemsize(cfg),
-                                                 norm_temporaries)
+                                                 norm_temporaries, weight_grad)
         if fsdp and not uses_root:  # (see root_held)
             root_off = (0 if root_held else s.root_kept) + s.weight_grad
         during = s.gathered_backward - root_off + s.staging + s.in_flight + s.tied_waiting + rebuilt + transient
