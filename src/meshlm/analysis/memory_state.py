@@ -7,6 +7,7 @@ tests/test_memory*.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshlm.analysis.memory_terms import (bf16_weights, largest_block_weight, layer_parameters, rank_parameters,
@@ -74,6 +75,15 @@ def parameter_sizes(cfg: Config, pp_rank: int) -> list[int]:
     return head + norm + block * layers + ([counts["embedding"]] if counts["embedding"] else [])
 
 
+def parameter_decays(cfg: Config, pp_rank: int) -> list[bool]:
+    """Whether each of `parameter_sizes`' parameters decays (matrices do, the norms' gains not)."""
+    counts = rank_parameters(cfg, pp_rank)
+    block = [True, True, True, False, True, True, True, True, False]  # (parameter_sizes' order)
+    layers = len(stage_layers(cfg)[pp_rank])
+    return ([True] if counts["head"] else []) + ([False] if counts["norm"] else []) + block * layers \
+        + ([True] if counts["embedding"] else [])
+
+
 def bucket_ends(sizes: list[int], cap: int) -> list[int]:
     """parallel/flat_buffer.py's FlatLayout: the index (in `sizes`) of each bucket's last
     parameter. A bucket closes once it holds `cap` elements or more (so it can reach cap + a
@@ -119,6 +129,17 @@ def held_denominator_elements(units: list[list[tuple[bool, int]]], d: int) -> in
     return worst
 
 
+@functools.lru_cache(maxsize=1024)
+def _bucket_step_elements(sizes: tuple[int, ...], decays: tuple[bool, ...], cap: int, d: int) -> int:
+    """held_denominator_elements over ZeRO-1/2's buckets (FlatLayout's cut of `sizes` at `cap`),
+    once per shape: the planner evaluates many layouts of one (it cost a plan a third more)."""
+    lo, units = 0, []
+    for end in bucket_ends(list(sizes), cap):
+        units.append(list(zip(decays[lo:end + 1], sizes[lo:end + 1])))
+        lo = end + 1
+    return held_denominator_elements(units, d)
+
+
 def fsdp_units(cfg: Config, counts: dict[str, int]) -> list[list[tuple[bool, int]]]:
     """FullyShardedDataParallel's units on a rank, (decays, elements) per parameter in order: the
     root (the norm and head, the embedding last: fsdp.py's tail; a tied table where it is
@@ -152,12 +173,11 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
     # the input at d = 2, two beyond. NCCL's and shared memory's need none. Bytes per element:
     copies = 4 * min(2, d - 1) / d if backend == "gloo" and d > 1 else 0
 
-    # AdamW's two temporaries are the size of the largest segment it updates: a whole tensor, or
-    # the part of one inside this rank's slice of its bucket (unit) when the tensor fills more than
-    # a slice; a smaller tensor may lie whole in one rank's slice.
+    # AdamW's two temporaries are the size of the segment it updates: under DDP a whole tensor;
+    # under ZeRO and FSDP the part of one inside this rank's slice of its bucket (unit), a smaller
+    # tensor whole (held_denominator_elements)
     vocab_table = vocab_local(cfg) * m.dim if counts["embedding"] or counts["head"] else 0
     block_largest = largest_block_weight(cfg) if counts["layers"] else 0
-    largest = max(vocab_table, block_largest)
     head = counts["head"] or (counts["embedding"] if m.tie_embeddings and p.pp == 1 else 0)
     embedding_grad = counts["embedding"]
     if m.tie_embeddings and p.pp == 1 and p.zero in (0, 1, 2):
@@ -182,7 +202,11 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
         bucket = min(DEFAULT_BUCKET_BYTES // item, n)
         if p.zero == 2:
             bucket = min(stage2_bucket_bytes(item * n) // item, n)
-        shard_step = fp32_grads + 2 * 4 * min(largest, max(bucket, largest) / d)
+        # AdamW steps this rank's slice of each bucket segment by segment, the previous
+        # segment's denominator alive beside the next one's two temporaries (as FSDP's units)
+        cap = max(1, (stage2_bucket_bytes(item * n) if p.zero == 2 else DEFAULT_BUCKET_BYTES) // item)
+        shard_step = fp32_grads + 4 * _bucket_step_elements(tuple(parameter_sizes(cfg, pp_rank)),
+                                                            tuple(parameter_decays(cfg, pp_rank)), cap, d)
         # A bucket never splits a parameter: the first one reduced holds at least the (untied) head,
         # the last one the embedding (a tied table is registered there), however small the nominal
         # size (for `1b`, 262M elements each).
