@@ -69,6 +69,37 @@ def test_crash_then_resume_is_bitwise_exact_and_metrics_hold_every_step(corpus, 
     assert losses(tmp_path) == straight  # tolerance 0; step 3 ran twice and is listed once
 
 
+# `meshlm train` with a SIGKILL at the one moment a crash test cannot otherwise reach: the step's
+# checkpoint is in place, its metrics row not yet written.
+KILLED_BEFORE_THE_ROW = """
+import os, signal, sys
+from meshlm.train import metrics
+log_step = metrics.MetricsWriter.log_step
+def dying(self, row):
+    if row["step"] == int(os.environ["DIE_BEFORE_ROW"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    log_step(self, row)
+metrics.MetricsWriter.log_step = dying
+from meshlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_after_a_checkpoint_before_its_metrics_row_loses_no_row(corpus, tmp_path, straight):
+    """The row of a save step is logged after the save (it holds checkpoint_s): a kill in between
+    left a checkpoint of step 4 and metrics up to step 3, and the resume from step 4 appended
+    from step 5, so step 4's loss was lost from metrics.jsonl for good."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DIE_BEFORE_ROW="4")
+    crashed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_THE_ROW, *train_args(corpus, tmp_path)],
+                             capture_output=True, text=True, timeout=240, env=env)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "step_0000004" / "manifest.json").exists()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    resumed = run_meshlm(*train_args(corpus, tmp_path), in_process=True)
+    assert "step_0000004" in resumed.stdout
+    assert losses(tmp_path) == straight  # every step once, step 4's row from its checkpoint
+
+
 def test_killed_rank_is_restarted_and_training_continues(corpus, tmp_path, straight):
     proc = run_meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_rank=1", "debug.fault_step=3"),
                       "--nproc", "2", "--max-restarts", "1")

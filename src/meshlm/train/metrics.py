@@ -81,9 +81,11 @@ class MetricsWriter:
         except ImportError:
             self._tb = None
 
-    def resume_at(self, step: int) -> None:
+    def resume_at(self, step: int, row: dict[str, Any] | None = None) -> None:
         """Continue the metrics of a run resumed after `step`: rows up to it are kept, rows past it
-        (logged before a crash, after the checkpoint) dropped, new rows appended: every step once."""
+        (logged before a crash, after the checkpoint) dropped, new rows appended: every step once.
+        `row`: step `step`'s row as its checkpoint holds it, for a run killed between the save and
+        logging the row (which holds the save's duration, so comes after it)."""
         if not self.active:
             return
         if self._jsonl is not None:
@@ -94,6 +96,8 @@ class MetricsWriter:
                 for line in path.read_text().splitlines():
                     if line.strip() and (row_step := json.loads(line).get("step", 0)) <= step:
                         rows[row_step] = line  # a step logged twice: the later timeline's row
+        if row is not None and row.get("step") == step and step not in rows:
+            rows[step] = json.dumps(row)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(rows[k] + "\n" for k in sorted(rows)))
         os.replace(tmp, self.path)  # a kill leaves the old file or the new one, never neither
@@ -110,7 +114,7 @@ class MetricsWriter:
         if self._jsonl is None:  # a fresh run's first row: earlier rows are another timeline's
             self._jsonl = open(self.path, "w", buffering=1)
             self._old.unlink(missing_ok=True)
-        self._jsonl.write(json.dumps(_jsonable(row)) + "\n")
+        self._jsonl.write(json.dumps(jsonable(row)) + "\n")
         if self._tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step" and value is not None:
@@ -146,6 +150,6 @@ class MetricsWriter:
             self._tb.close()
 
 
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+def jsonable(row: dict[str, Any]) -> dict[str, Any]:
     """NaN/inf are not JSON: write them as null so every line stays parseable."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

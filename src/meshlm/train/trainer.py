@@ -100,6 +100,7 @@ class Trainer:
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
         self.can_checkpoint = True  # False: the nodes do not share run.dir (train/rank0_node.py)
         self.pending_save = None  # a checkpoint.state.BackgroundSave in flight (checkpoint.async_save)
+        self.step_row = None  # the metrics row of the step being saved, while a save writes it
 
     # ------------------------------------------------------------------ setup
 
@@ -322,7 +323,11 @@ class Trainer:
                 self.stop_signals.reached_boundary()  # the stop deadline ends here, before the save
             if self._checkpoint_due() or (stop and self.can_checkpoint):  # the last in the foreground: the run ends with it
                 last = stop is not None or self.step == cfg.steps
+                # The row is logged after the save (it holds checkpoint_s): the checkpoint carries it
+                # too, so a kill in between loses no step of metrics.jsonl (MetricsWriter.resume_at).
+                self.step_row = dict(row)
                 row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
+                self.step_row = None
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)

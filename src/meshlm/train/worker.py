@@ -32,14 +32,17 @@ def start_state(trainer: Trainer) -> None:
     """Where training starts: a checkpoint (checkpoint.resume), a model to fine-tune
     (model.init_from), or the seed's initialisation. Collective."""
     from meshlm.train.checkpoint import load_checkpoint
-    from meshlm.train.checkpoint.resume import choose, set_aside_old_checkpoints
+    from meshlm.train.checkpoint.resume import checkpoint_root, choose, set_aside_old_checkpoints
     from meshlm.train.checkpoint.store import list_checkpoints
 
     cfg = trainer.cfg
     path = choose(cfg, trainer.comm, trainer.ctx, warn=lambda m: trainer.metrics.print(f"warning: {m}"))
     if path is not None:
         meta = load_checkpoint(trainer, path)
-        trainer.metrics.resume_at(trainer.step)
+        # The checkpoint's own row of its step, for a run killed before logging it: only for one of
+        # this run.dir's checkpoints, whose metrics.jsonl holds the steps before it.
+        own = path.resolve().parent == checkpoint_root(cfg).resolve()
+        trainer.metrics.resume_at(trainer.step, meta.get("metrics_row") if own else None)
         trainer.progress.resumed_at(trainer.step)  # reports name the step the run is at
         trainer.metrics.print(f"resumed from {path} (step {trainer.step} of {cfg.train.steps}, saved under "
                               f"{_layout_text(meta['layout'])})")

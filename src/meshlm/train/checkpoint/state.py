@@ -75,6 +75,7 @@ def layout_of(cfg, world_size: int) -> dict:
 
 
 def _meta(trainer, shapes) -> dict:
+    from meshlm.train.metrics import jsonable
     from meshlm.train.optim import lr_at
 
     cfg = trainer.cfg
@@ -83,7 +84,9 @@ def _meta(trainer, shapes) -> dict:
             "data": trainer.loader.state_dict(), "seed": cfg.run.seed,
             "layout": layout_of(cfg, trainer.ctx.world_size), "model": dataclasses.asdict(cfg.model),
             "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
-            "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # the step's metrics.jsonl row (without checkpoint_s, not known yet): logged after the save
+            **({"metrics_row": jsonable(trainer.step_row)} if getattr(trainer, "step_row", None) else {})}
 
 
 def _rank_payload(trainer, snapshot: bool) -> tuple[dict[str, torch.Tensor], list]:
