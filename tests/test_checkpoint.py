@@ -297,6 +297,39 @@ def test_a_save_reports_the_bytes_it_wrote_and_how_long_the_writing_took(corpus,
         assert 0 < seconds <= elapsed
 
 
+def _save_with_rank_1_dying_mid_write(corpus, run_dir, world_size):
+    import os
+
+    import torch.distributed as dist
+
+    from meshlm.train.checkpoint import state
+
+    trainer = build_trainer(small_cfg(corpus, run_dir, world_size, steps=2))
+    trainer.train_step()
+    if dist.get_rank() == 1:  # SIGKILLed while writing its file: it never reports its part
+        state._write_rank = lambda *args: os._exit(9)
+    state.save_checkpoint(trainer, run_dir / "checkpoints", keep=2, timeout_s=600)
+
+
+def test_a_rank_dead_mid_save_is_a_lost_peer_at_once_not_a_wait_for_its_part(corpus, tmp_path):
+    """Rank 0 of a synchronous save waited for a dead rank's manifest entries on the filesystem
+    (up to the save's 30 min), in no collective: under torchrun it learned nothing until the
+    agent's SIGTERM, then exited 25 s later (checkpoint.stop_timeout_s) with "no step boundary
+    within 25 s of SIGTERM", a signal the user never sent, and left no dump, so the verdict did
+    not name the dead rank. Now the ranks meet in a barrier once their files are written: rank 0
+    loses its peer there at once (within the harness's 2 s grace, not a timeout), as in a step."""
+    from meshlm.debug.guard import failure_kind
+    from meshlm.testing import RankFailure
+
+    with pytest.raises(RankFailure) as failed:
+        run_ranks(_save_with_rank_1_dying_mid_write, 2, corpus, tmp_path, 2, timeout=120)
+    text = str(failed.value)
+    assert "--- rank 0 ---" in text, f"rank 0 did not fail within 2 s of its peer's death:\n{text}"
+    rank0 = text.split("--- rank 0 ---")[1]
+    assert failure_kind(RuntimeError(rank0)) == "peer_lost", rank0[-1500:]
+    assert not (tmp_path / "checkpoints" / "step_0000001").exists()  # nothing finalized
+
+
 def test_a_rank_that_never_finishes_its_part_of_a_save_is_named(tmp_path):
     from meshlm.train.checkpoint import state
     from meshlm.train.checkpoint.store import CheckpointError

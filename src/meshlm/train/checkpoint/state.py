@@ -215,8 +215,14 @@ def save_checkpoint(trainer, root: Path, keep: int, background: bool = False,
         trainer.pending_save = BackgroundSave(work, final)
         mine = sum(t.numel() * t.element_size() for t in tensors.values())
         return SaveReport(final, time.perf_counter() - t0, mine)
-    total = work()  # rank 0 waits for the others' entries inside
-    comm.barrier()  # every rank returns once the checkpoint is in place
+    _write_rank(tmp, ctx.rank, tensors, metadata, extra)
+    # Every rank's part is written before rank 0 finishes: a rank that died writing fails this
+    # collective on the others at once (a lost peer, which the failure analysis names). Rank 0
+    # polling the directory for its entries instead heard of it only from torchrun's SIGTERM,
+    # then sat out the stop deadline (25 s) and left no dump.
+    comm.barrier()
+    total = _finish(tmp, final, ctx.world_size, step, keep, timeout_s) if ctx.rank == 0 else 0
+    # every rank returns once the checkpoint is in place: this all-reduce waits for rank 0's rename
     bytes_total = torch.tensor([float(total)], dtype=torch.float64, device=trainer.device)
     comm.all_reduce(bytes_total, "world")
     return SaveReport(final, time.perf_counter() - t0, int(bytes_total.item()))
