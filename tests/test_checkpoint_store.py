@@ -6,6 +6,7 @@ checkpoint. The end-to-end tests (resume, reshard, crashes) are in test_checkpoi
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,15 @@ def _checkpoint(root, step, files=None, meta=None):
     entries = {name: write_bytes_synced(tmp / name, data) for name, data in files.items()}
     finalize(tmp, root / step_dir_name(step), entries, step)
     return root / step_dir_name(step)
+
+
+@pytest.mark.parametrize("write", [lambda path: write_tensors_synced(path, MIXED, {}),
+                                   lambda path: write_bytes_synced(path, b"meta" * 10)], ids=["tensors", "bytes"])
+def test_a_full_disk_names_the_file_it_could_not_write(write):
+    """ENOSPC comes from write() or flush(), whose OSError names no file: the user of a run.dir,
+    a cache and a /tmp on different disks could not tell which one is full. /dev/full is one."""
+    with pytest.raises(OSError, match=r"^\[Errno 28\] No space left on device: '/dev/full'$"):
+        write(Path("/dev/full"))
 
 
 def test_finalize_writes_the_manifest_last_and_replaces_an_earlier_save_of_the_step_whole(tmp_path):

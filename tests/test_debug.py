@@ -176,6 +176,35 @@ def test_a_restarted_rank_drops_its_dump_of_the_attempt_before(corpus, tmp_path)
         assert sorted(p.name for p in (tmp_path / "debug").iterdir()) == ["rank0.json"]  # the other's is its own
 
 
+def test_a_failure_whose_dump_cannot_be_written_is_still_said_in_one_line(corpus, tmp_path, capsys, monkeypatch):
+    """A full disk fails the checkpoint and then the dump: under a launcher the guard printed
+    nothing (the verdict reads dumps), so the user saw only "could not write .../rank1.json" and
+    "training failed on rank 1 (exit 1)"; alone, it pointed at a traceback file it had not written.
+    The failure is now said by the rank itself, without the pointer, and no partial dump is left."""
+    import errno
+    import pathlib
+
+    from meshlm.debug.guard import RankFailed, RankGuard
+
+    cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2")
+    real_write_text = pathlib.Path.write_text
+
+    def full_disk(path, data, *args, **kwargs):  # the dump's temporary file: half written, then ENOSPC
+        real_write_text(path, data[:10], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shard = tmp_path / "checkpoints" / ".tmp_step_0000003" / "rank00001.safetensors"
+    with pytest.raises(RankFailed), RankGuard(cfg, 1, 2):
+        monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+        raise OSError(errno.ENOSPC, "No space left on device", str(shard))
+    monkeypatch.undo()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"meshlm: rank 1: could not write {tmp_path / 'debug' / 'rank1.json'}: ")
+    assert err[1:] == [f"meshlm: rank 1 failed at step 0 (setup): OSError: [Errno 28] No space left on device: "
+                       f"'{shard}'"]
+    assert list((tmp_path / "debug").iterdir()) == []
+
+
 def test_the_first_step_a_process_runs_has_the_startup_limit_even_after_a_resume(tmp_path):
     progress = Progress()
     dog = Watchdog(Comm(ParallelContext(Layout())), progress, tmp_path, timeout_s=1, startup_timeout_s=9,

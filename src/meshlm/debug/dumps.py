@@ -36,8 +36,9 @@ def thread_stacks() -> dict[str, list[str]]:
 
 
 def write_dump(run_dir: Path | str, rank: int, world_size: int, reason: str, *, progress, comm,
-               error: BaseException | None = None, **extra: Any) -> Path:
-    """Write this rank's dump; returns its path. Never raises (it runs while things are failing)."""
+               error: BaseException | None = None, **extra: Any) -> Path | None:
+    """Write this rank's dump; returns its path, None if it could not be written (a full disk).
+    Never raises (it runs while things are failing)."""
     path = debug_dir(run_dir) / f"rank{rank}.json"
     dump = {
         "rank": rank, "world_size": world_size, "reason": reason, "time": time.time(),
@@ -50,13 +51,18 @@ def write_dump(run_dir: Path | str, rank: int, world_size: int, reason: str, *, 
         dump["error"] = {"type": type(error).__name__, "message": str(error).strip().splitlines()[0][:500]
                          if str(error).strip() else "",
                          "traceback": traceback.format_exception(type(error), error, error.__traceback__)}
+    tmp = path.with_suffix(".json.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(dump, default=str))
         os.replace(tmp, path)
     except OSError as e:
         print(f"meshlm: rank {rank}: could not write {path}: {e}", file=sys.stderr, flush=True)
+        try:
+            tmp.unlink(missing_ok=True)  # a partial dump frees its space and is never read
+        except OSError:
+            pass
+        return None
     return path
 
 

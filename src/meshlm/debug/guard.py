@@ -93,14 +93,16 @@ class RankGuard:
         kind = failure_kind(error)
         lines = self.report(kind, error)
         t = self.trainer
-        write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
-                   comm=t.comm if t else None, error=error, report=lines,
-                   culprits=getattr(error, "ranks", [self.rank]), dir_ranks=self.dir_ranks)
+        dumped = write_dump(self.cfg.run.dir, self.rank, self.world_size, kind, progress=t.progress if t else None,
+                            comm=t.comm if t else None, error=error, report=lines,
+                            culprits=getattr(error, "ranks", [self.rank]), dir_ranks=self.dir_ranks)
         if kind in EVERY_RANK and self.world_size > 1:
             wait_for_peers(self.cfg.run.dir, len(self.dir_ranks or range(self.world_size)), PEER_GRACE_S)
+        if dumped is None and kind == "error":  # (a full disk) no traceback file to point at
+            lines = lines[:1]
         # Under a launcher its one-line verdict says the rest (train/command.py's _failure_line); an
-        # OOM's block is longer.
-        if kind == "oom" or self.world_size == 1:
+        # OOM's block is longer. Without a dump the verdict cannot read the failure: said here.
+        if kind == "oom" or self.world_size == 1 or (dumped is None and kind != "peer_lost"):
             print("\n".join(f"meshlm: {line}" if i == 0 else line for i, line in enumerate(lines)),
                   file=sys.stderr, flush=True)
         raise RankFailed(kind, lines[0]) from error

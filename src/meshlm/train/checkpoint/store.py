@@ -16,6 +16,7 @@ safetensors, everything else JSON or TOML.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,9 +59,21 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def naming(path: Path):
+    """An OSError inside names `path`: a full disk fails in write() or flush(), whose error names
+    no file ("[Errno 28] No space left on device"), so the user could not tell which disk."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
 def write_bytes_synced(path: Path, data: bytes) -> dict:
     """Write `data` to `path`, fsync it, and return its manifest entry (size and sha256)."""
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -91,7 +104,7 @@ def write_safetensors(path: Path, layout: dict[str, tuple[torch.dtype, tuple[int
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         for block in (len(head).to_bytes(8, "little"), head):
             f.write(block)
             digest.update(block)
