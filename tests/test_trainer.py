@@ -235,3 +235,37 @@ def test_a_save_after_a_stop_signal_is_not_cut_short_by_the_stop_deadline(corpus
         rows = trainer.fit()
     assert [r["step"] for r in rows] == [1] and trainer.stopped_by == "SIGTERM"
     assert gave_up == [] and trainer.last_checkpoint.path.name == "step_0000001"
+
+
+def test_a_signal_during_a_periodic_save_lets_it_finish_then_stops_at_the_next_boundary(corpus, tmp_path, monkeypatch):
+    """A preemption's SIGTERM that lands in a periodic save (after step 1's boundary) started the
+    stop deadline there: a save longer than it was killed half-written on every rank, which said
+    'no step boundary within N s' and exited 1, losing that checkpoint and the stop's. The
+    deadline now starts when the save ends: the save finishes, step 2 runs, and the run stops
+    after it with its checkpoint. The save takes three times the deadline (the exit is recorded,
+    not made)."""
+    import os
+    import signal
+    import time
+
+    import meshlm.train.checkpoint as checkpoint
+    from meshlm.train.preemption import StopSignals
+
+    gave_up = []
+    monkeypatch.setattr(StopSignals, "_give_up", lambda self: gave_up.append(self.received))
+    real_save = checkpoint.save_checkpoint
+
+    def slow_save(trainer, *args, **kwargs):
+        if trainer.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.5)
+        return real_save(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
+    trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.interval=1", "checkpoint.stop_timeout_s=0.5"))
+    with StopSignals(trainer.cfg.checkpoint.stop_timeout_s) as signals:
+        trainer.stop_signals = signals
+        rows = trainer.fit()
+    assert gave_up == []
+    assert [r["step"] for r in rows] == [1, 2] and trainer.stopped_by == "SIGTERM"
+    assert trainer.last_checkpoint.path.name == "step_0000002"

@@ -21,6 +21,7 @@ moments; a rank that stopped alone would leave the others waiting in a collectiv
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -54,6 +55,7 @@ class StopSignals:
         self._previous = {}
         self._timer: threading.Timer | None = None
         self._at_boundary = False  # the trainer stops here: no deadline from now on
+        self._saving = False  # a checkpoint is being written: the deadline starts when it ends
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -83,9 +85,27 @@ class StopSignals:
                   file=sys.stderr, flush=True)
         if self._at_boundary:  # a signal during the stop save (another rank's stopped this one): no deadline
             return
+        if not self._saving:
+            self._start_deadline()
+
+    def _start_deadline(self) -> None:
         self._timer = threading.Timer(self.timeout_s, self._give_up)
         self._timer.daemon = True
         self._timer.start()
+
+    @contextlib.contextmanager
+    def saving(self):
+        """A periodic checkpoint being written: a signal that lands in it starts the deadline when it
+        ends. The save is past a step boundary, not stuck before one; timed, a save longer than the
+        deadline was killed half-written on every rank ("no step boundary within N s"), losing it
+        and the stop's checkpoint. A save stuck on a dead peer is the collective watchdog's."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+            if self.received is not None and self._timer is None and not self._at_boundary:
+                self._start_deadline()
 
     def reached_boundary(self) -> None:
         """The trainer stops after this step (every rank agreed): the deadline was for getting here,

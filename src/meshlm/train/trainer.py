@@ -358,7 +358,8 @@ class Trainer:
         from meshlm.train.metrics import format_bytes
 
         self.progress.at("checkpoint")
-        report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep, background=background)
+        with self.stop_signals.saving() if self.stop_signals is not None else contextlib.nullcontext():
+            report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep, background=background)
         self.last_checkpoint = report
         if background:
             self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} (rank 0) copied in "
