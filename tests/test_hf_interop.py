@@ -164,6 +164,54 @@ def test_export_of_a_final_directory(corpus, saved, tmp_path):
         assert (tmp_path / "from-final" / name).read_bytes() == (tmp_path / "from-checkpoint" / name).read_bytes()
 
 
+def test_an_export_outlives_a_running_train_rotating_its_checkpoint_away(saved, tmp_path, monkeypatch):
+    """`meshlm export RUN_DIR` while a train runs there: the train's next save deletes the
+    checkpoint being exported (checkpoint.keep=1). Deleted once the export had opened it, the export
+    died with a traceback ("Exception: No such file or directory", from the tokenizer, read last);
+    deleted between being found and being opened, "no usable checkpoint" (exit 1) though the train
+    had just written a newer one. Now what the export opened is read to the end, and a checkpoint
+    gone before it was open is looked for again."""
+    import shutil
+
+    from meshlm.train.checkpoint import store
+
+    run_dir, checkpoint, _ = saved("single-tied")
+    export_hf(checkpoint, tmp_path / "intact")
+
+    def same_export(out):
+        for name in EXPORTED:
+            assert (out / name).read_bytes() == (tmp_path / "intact" / name).read_bytes(), name
+
+    opened = shutil.copytree(run_dir, tmp_path / "opened")  # (1) deleted right after the export opened it
+    real_init = store.CheckpointReader.__init__
+
+    def rotated_once_open(self, path):
+        real_init(self, path)
+        shutil.rmtree(path)
+
+    monkeypatch.setattr(store.CheckpointReader, "__init__", rotated_once_open)
+    report = export_hf(opened, tmp_path / "out-opened")
+    monkeypatch.undo()
+    assert report.source == opened / "checkpoints" / "step_0000001" and not report.source.exists()
+    same_export(tmp_path / "out-opened")
+
+    found = shutil.copytree(run_dir, tmp_path / "found")  # (2) replaced by a newer one while being verified
+    real_verify, rotations = store.verify, []
+
+    def rotated_while_verified(path, *args):
+        if not rotations:  # the train saves step 2 (here: the same weights) and deletes step 1
+            rotations.append(path)
+            shutil.copytree(path, path.with_name("step_0000002"))
+            shutil.rmtree(path)
+        return real_verify(path, *args)
+
+    monkeypatch.setattr(store, "verify", rotated_while_verified)
+    report = export_hf(found, tmp_path / "out-found")
+    assert rotations == [found / "checkpoints" / "step_0000001"]
+    assert report.source == found / "checkpoints" / "step_0000002"
+    same_export(tmp_path / "out-found")
+
+
 def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
     """The CLI end to end, in this process (the commands' code without an interpreter start each;
     meshlm_fails below runs `meshlm export` in a real one): `meshlm export` of a ZeRO-3 run, and

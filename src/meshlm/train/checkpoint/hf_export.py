@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from meshlm.config import ConfigError, ModelConfig, load_config
 from meshlm.errors import unusable_directory
 from meshlm.train.checkpoint.hf import HF_CONFIG, HF_WEIGHTS, hf_name
 from meshlm.train.checkpoint.store import write_safetensors
-from meshlm.train.tokenizer import TOKENIZER_CONFIG, chat_template, load_tokenizer, run_end_token
+from meshlm.train.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, chat_template, load_tokenizer, run_end_token
 
 
 @dataclass
@@ -55,18 +56,31 @@ class _Source:
     def tensor(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def close(self) -> None:
+        pass
+
 
 class _CheckpointSource(_Source):
     def __init__(self, path: Path) -> None:
         from meshlm.train.checkpoint.store import CheckpointReader
 
         self.path = path
+        # A train running in the run directory may delete this checkpoint (checkpoint.keep) while
+        # the export runs: the tokenizer's files are copied first (they were read last), then the
+        # reader maps every rank file, and from there on a deletion changes nothing.
+        self._held = tempfile.TemporaryDirectory(prefix="meshlm-export-")
+        for name in ("tokenizer.json", TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+            if (path / name).is_file():
+                shutil.copyfile(path / name, Path(self._held.name) / name)
+        self.tokenizer = Path(self._held.name) / "tokenizer.json"
         self.reader = CheckpointReader(path)
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         self.model = ModelConfig(**{k: v for k, v in self.reader.meta["model"].items() if k in known})
         self.shapes = self.reader.shapes
-        self.tokenizer = path / "tokenizer.json"
         self.step = self.reader.meta["step"]
+
+    def close(self) -> None:
+        self._held.cleanup()
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.reader.full("model", name)
@@ -145,11 +159,22 @@ def tokenizer_config(end_token: str | None, max_len: int, template=None) -> dict
 # --------------------------------------------------------------------------- the command
 
 
-def _open_source(path: Path) -> _Source:
+def _open_source(path: Path, tries: int = 3) -> _Source:
+    """The source `path` names, open. A train running in run directory `path` saves and deletes
+    checkpoints (checkpoint.keep) meanwhile: one deleted between being found and being opened is
+    looked for again, as long as the directory's checkpoints keep changing under this export."""
+    from meshlm.train.checkpoint.store import CheckpointError, list_checkpoints
     from meshlm.train.weights import find_trained
 
-    kind, found = find_trained(path, prefer="checkpoint")
-    return _CheckpointSource(found) if kind == "checkpoint" else _FinalSource(found)
+    for attempt in range(tries):
+        listed = [list_checkpoints(root) for root in (path / "checkpoints", path)]
+        try:
+            kind, found = find_trained(path, prefer="checkpoint")
+            return _CheckpointSource(found) if kind == "checkpoint" else _FinalSource(found)
+        except (CheckpointError, OSError):
+            if attempt == tries - 1 or [list_checkpoints(root) for root in (path / "checkpoints", path)] == listed:
+                raise
+    raise AssertionError("unreachable")
 
 
 EXPORTED = (HF_WEIGHTS, HF_CONFIG, "tokenizer.json", TOKENIZER_CONFIG)  # what an export writes, all of it
@@ -177,7 +202,14 @@ def export_hf(source: Path, out: Path, dtype: str = "float32") -> ExportReport:
         raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype]
     src = _open_source(Path(source))
-    out = Path(out).resolve()  # `.` has no name to put a temporary directory beside
+    try:
+        return _export(src, Path(out), dtype, torch_dtype, t0)
+    finally:
+        src.close()
+
+
+def _export(src: _Source, out: Path, dtype: str, torch_dtype: torch.dtype, t0: float) -> ExportReport:
+    out = out.resolve()  # `.` has no name to put a temporary directory beside
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
