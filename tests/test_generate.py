@@ -132,3 +132,55 @@ def test_generate_warns_when_final_is_older_than_a_checkpoint(corpus, tmp_path, 
     assert err == [f"meshlm: warning: using {run_dir / 'final'} (step 2), but checkpoint "
                    f"{run_dir / 'checkpoints' / 'step_0000003'} was written after it; pass --checkpoint "
                    f"{run_dir / 'checkpoints' / 'step_0000003'} to use that one"]
+
+
+def test_generate_outlives_a_running_train_rotating_its_checkpoint_away(corpus, tmp_path, capsys, monkeypatch):
+    """`meshlm generate --checkpoint RUN_DIR` while a train runs there (no final/ yet: the newest
+    checkpoint): the train's next save deletes it (checkpoint.keep=1; measured, a save per step: 5
+    of 6 calls failed): deleted once open, the tokenizer read last was gone (a traceback, or
+    "data.tokenizer: ... does not exist", exit 2, an option never passed); deleted while being
+    verified, "no usable checkpoint" beside a newer one. As export: the small files are copied
+    and the rank files mapped first, and a checkpoint deleted before it was open is looked for again."""
+    import shutil
+
+    from helpers import meshlm_in_process, small_train_args
+    from meshlm.train.checkpoint import store
+
+    run_dir = tmp_path / "run"
+    meshlm_in_process("train", *small_train_args(corpus, run_dir, steps=1), "checkpoint.interval=1",
+                      "run.sample_tokens=0")
+    shutil.rmtree(run_dir / "final")  # a train still running: its newest checkpoint is the model
+
+    def generate(source):
+        capsys.readouterr()
+        code = meshlm_main(["generate", "--checkpoint", str(source), "--prompt", "The ", "--max-new-tokens", "6",
+                            "--temperature", "0"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return out.out
+
+    expected = generate(run_dir)
+    opened = shutil.copytree(run_dir, tmp_path / "opened")  # deleted right after it was opened
+    real_init = store.CheckpointReader.__init__
+
+    def rotated_once_open(self, path):
+        real_init(self, path)
+        shutil.rmtree(path)
+
+    monkeypatch.setattr(store.CheckpointReader, "__init__", rotated_once_open)
+    assert generate(opened) == expected
+    monkeypatch.undo()
+    assert not (opened / "checkpoints" / "step_0000001").exists()
+
+    found = shutil.copytree(run_dir, tmp_path / "found")  # replaced by a newer one while being verified
+    real_verify, rotations = store.verify, []
+
+    def rotated_while_verified(path, *args):
+        if not rotations:
+            rotations.append(path)
+            shutil.copytree(path, path.with_name("step_0000002"))
+            shutil.rmtree(path)
+        return real_verify(path, *args)
+
+    monkeypatch.setattr(store, "verify", rotated_while_verified)
+    assert generate(found) == expected and rotations

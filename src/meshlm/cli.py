@@ -44,7 +44,6 @@ def _generate_parser(sub) -> None:
 
 def cmd_generate(args) -> int:
     from meshlm.train.generate import sample
-    from meshlm.train.tokenizer import run_end_token
     from meshlm.train.weights import load_trained
 
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -65,10 +64,10 @@ def cmd_generate(args) -> int:
         return _fail_usage(f"--device: {args.device}: no such CUDA device here ({torch.cuda.device_count()} visible)")
     if device.type not in ("cpu", "cuda"):
         return _fail_usage(f"--device: {args.device}: meshlm generate runs on cpu or cuda")
-    model, tokenizer, cfg = load_trained(args.checkpoint, device=device)
+    model, tokenizer, _cfg, end_id = load_trained(args.checkpoint, device=device)
     print(sample(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
-                 end_id=run_end_token(Path(cfg.data.tokenizer))[1], top_p=args.top_p,
+                 end_id=end_id, top_p=args.top_p,
                  stop_at_end=args.stop_at_eos))
     return 0
 

@@ -158,8 +158,6 @@ def _print_sample(model_dir: Path, prompt: str, n_tokens: int) -> None:
     from meshlm.train.generate import sample
     from meshlm.train.weights import load_trained
 
-    from meshlm.train.tokenizer import run_end_token
-
-    model, tokenizer, cfg = load_trained(model_dir)
-    text = sample(model, tokenizer, prompt, max_new_tokens=n_tokens, end_id=run_end_token(Path(cfg.data.tokenizer))[1])
+    model, tokenizer, _cfg, end_id = load_trained(model_dir)
+    text = sample(model, tokenizer, prompt, max_new_tokens=n_tokens, end_id=end_id)
     print(f"\n--- sample ({n_tokens} tokens, temperature 0.8, top-k 40) ---\n{text}\n---")

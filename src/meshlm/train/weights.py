@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -144,17 +145,52 @@ def load_checkpoint_model(checkpoint: Path, cfg: Config) -> Llama:
     return model
 
 
-def load_trained(path: str | Path, device: torch.device | str = "cpu"):
-    """(model in eval mode, tokenizer, config) from a final/ directory written by `save_final`,
-    a checkpoint directory, or a run directory (its final/, else its newest good checkpoint)."""
-    from meshlm.train.tokenizer import load_tokenizer
+def open_trained(path: str | Path, open_found, prefer: str = "final", tries: int = 3):
+    """`open_found(kind, dir)` of what `find_trained(path, prefer)` names. A train still running in
+    run directory `path` saves and deletes checkpoints meanwhile (checkpoint.keep): one deleted
+    between being found and being open fails, and is looked for again while the directory's
+    checkpoints keep changing. `open_found` must leave nothing to read from the directory later
+    (small files copied, rank files mapped): a deletion after it returns changes nothing."""
+    from meshlm.train.checkpoint.store import CheckpointError, list_checkpoints
 
-    kind, model_dir = find_trained(path, prefer="final")
-    cfg = _inference_config(model_dir / CONFIG)
-    if kind == "checkpoint":
-        model = load_checkpoint_model(model_dir, cfg)
-    else:
-        model = Llama(cfg.model)
-        load_model(model, str(model_dir / WEIGHTS))
-    model.to(device).eval()
-    return model, load_tokenizer(model_dir / TOKENIZER), cfg
+    path = Path(path)
+    listing = lambda: [list_checkpoints(root) for root in (path / "checkpoints", path)]  # noqa: E731
+    for attempt in range(tries):
+        before = listing()
+        try:
+            return open_found(*find_trained(path, prefer=prefer))
+        except (CheckpointError, ConfigError, OSError):
+            if attempt == tries - 1 or listing() == before:
+                raise
+    raise AssertionError("unreachable")
+
+
+def held_copy(src: Path, names) -> tempfile.TemporaryDirectory:
+    """A temporary copy of `src`'s small files `names` (those present): what a deletion of `src`
+    while it is read must not take away."""
+    held = tempfile.TemporaryDirectory(prefix="meshlm-held-")
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, Path(held.name) / name)
+    return held
+
+
+def load_trained(path: str | Path, device: torch.device | str = "cpu"):
+    """(model in eval mode, tokenizer, config, end-of-text id) from a final/ directory written by
+    `save_final`, a checkpoint directory, or a run directory (its final/, else its newest good
+    checkpoint)."""
+    from meshlm.train.tokenizer import load_tokenizer, run_end_token
+
+    def load(kind: str, model_dir: Path):
+        with held_copy(model_dir, (CONFIG, TOKENIZER, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)) as held:
+            cfg = _inference_config(Path(held) / CONFIG)
+            tokenizer, end_id = load_tokenizer(Path(held) / TOKENIZER), run_end_token(Path(held) / TOKENIZER)[1]
+            if kind == "checkpoint":
+                model = load_checkpoint_model(model_dir, cfg)
+            else:
+                model = Llama(cfg.model)
+                load_model(model, str(model_dir / WEIGHTS))
+        cfg.data.tokenizer = str(model_dir / TOKENIZER)
+        return model.to(device).eval(), tokenizer, cfg, end_id
+
+    return open_trained(path, load)

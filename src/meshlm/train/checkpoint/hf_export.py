@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +62,13 @@ class _Source:
 class _CheckpointSource(_Source):
     def __init__(self, path: Path) -> None:
         from meshlm.train.checkpoint.store import CheckpointReader
+        from meshlm.train.weights import held_copy
 
         self.path = path
         # A train running in the run directory may delete this checkpoint (checkpoint.keep) while
         # the export runs: the tokenizer's files are copied first (they were read last), then the
         # reader maps every rank file, and from there on a deletion changes nothing.
-        self._held = tempfile.TemporaryDirectory(prefix="meshlm-export-")
-        for name in ("tokenizer.json", TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
-            if (path / name).is_file():
-                shutil.copyfile(path / name, Path(self._held.name) / name)
+        self._held = held_copy(path, ("tokenizer.json", TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE))
         self.tokenizer = Path(self._held.name) / "tokenizer.json"
         self.reader = CheckpointReader(path)
         known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -159,22 +156,11 @@ def tokenizer_config(end_token: str | None, max_len: int, template=None) -> dict
 # --------------------------------------------------------------------------- the command
 
 
-def _open_source(path: Path, tries: int = 3) -> _Source:
-    """The source `path` names, open. A train running in run directory `path` saves and deletes
-    checkpoints (checkpoint.keep) meanwhile: one deleted between being found and being opened is
-    looked for again, as long as the directory's checkpoints keep changing under this export."""
-    from meshlm.train.checkpoint.store import CheckpointError, list_checkpoints
-    from meshlm.train.weights import find_trained
+def _open_source(path: Path) -> _Source:
+    from meshlm.train.weights import open_trained
 
-    for attempt in range(tries):
-        listed = [list_checkpoints(root) for root in (path / "checkpoints", path)]
-        try:
-            kind, found = find_trained(path, prefer="checkpoint")
-            return _CheckpointSource(found) if kind == "checkpoint" else _FinalSource(found)
-        except (CheckpointError, OSError):
-            if attempt == tries - 1 or [list_checkpoints(root) for root in (path / "checkpoints", path)] == listed:
-                raise
-    raise AssertionError("unreachable")
+    return open_trained(path, lambda kind, found: _CheckpointSource(found) if kind == "checkpoint"
+                        else _FinalSource(found), prefer="checkpoint")
 
 
 EXPORTED = (HF_WEIGHTS, HF_CONFIG, "tokenizer.json", TOKENIZER_CONFIG)  # what an export writes, all of it
