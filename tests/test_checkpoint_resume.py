@@ -4,6 +4,8 @@ process or one forked rank each: no torchrun (tests/test_checkpoint_cli.py runs 
 
 import json
 
+import pytest
+
 from meshlm.config import load_config
 
 from helpers import build_trainer, small_cfg
@@ -199,3 +201,24 @@ def test_a_metrics_history_an_older_meshlm_left_in_metrics_jsonl_old_is_taken_ba
     resumed.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 2.0), (3, 3.0)]
     assert not (tmp_path / "metrics.jsonl.old").exists()
+
+
+@pytest.mark.parametrize("tail", ['{"step": 5, "loss": 1.0, "l', "\0" * 40], ids=["cut-off", "zeros"])
+def test_a_metrics_row_cut_off_by_a_crash_does_not_stop_the_resume(tmp_path, tail):
+    """A full disk or a power loss while a row was written leaves metrics.jsonl ending in part of a
+    line (or, after a power loss on ext4, in zeros): every resume then failed at setup with
+    "JSONDecodeError: Unterminated string", and the run could not continue without editing the
+    file. The cut line is dropped (it is past the checkpoint here, so nothing is lost), with a note."""
+    from helpers import read_metrics
+
+    first = _metrics_writer(tmp_path)
+    _log(first, range(1, 5))
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(tail)
+    resumed = _metrics_writer(tmp_path)
+    resumed.resume_at(4)
+    _log(resumed, [5, 6])
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert resumed.stream.getvalue().startswith(f"warning: {tmp_path / 'metrics.jsonl'}: dropped 1 line cut off")

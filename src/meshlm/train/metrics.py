@@ -90,12 +90,20 @@ class MetricsWriter:
             return
         if self._jsonl is not None:
             self._jsonl.close()
-        rows = {}  # step -> line; metrics.jsonl.old first: left by an interrupted start of an older meshlm
+        rows, cut = {}, 0  # step -> line; metrics.jsonl.old first: left by an interrupted start of an older meshlm
         for path in (self._old, self.path):
             if path.exists():
-                for line in path.read_text().splitlines():
-                    if line.strip() and (row_step := json.loads(line).get("step", 0)) <= step:
+                for line in path.read_text(errors="replace").splitlines():
+                    try:
+                        row_step = json.loads(line).get("step", 0) if line.strip() else None
+                    except ValueError:  # a row cut off by a crash (a full disk; zeros after a power loss)
+                        cut += 1
+                        continue
+                    if row_step is not None and row_step <= step:
                         rows[row_step] = line  # a step logged twice: the later timeline's row
+        if cut:
+            self.print(f"warning: {self.path}: dropped {cut} line{'s' if cut > 1 else ''} cut off mid-row (a crash "
+                       f"while it was written)")
         if row is not None and row.get("step") == step and step not in rows:
             rows[step] = json.dumps(row)
         tmp = self.path.with_suffix(".jsonl.tmp")
