@@ -222,3 +222,31 @@ def test_a_metrics_row_cut_off_by_a_crash_does_not_stop_the_resume(tmp_path, tai
     resumed.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert resumed.stream.getvalue().startswith(f"warning: {tmp_path / 'metrics.jsonl'}: dropped 1 line cut off")
+
+
+def test_a_full_disk_under_a_run_is_one_named_error_not_a_traceback_per_log_line(tmp_path, capsys):
+    """A disk that fills during a run: each rank-log line printed Python logging's "--- Logging
+    error ---" traceback on stderr (one per line logged, per rank), and the metrics row that then
+    failed said "[Errno 28] No space left on device" without naming a file. /dev/full is a full disk."""
+    import errno
+    import logging
+
+    from meshlm.train.metrics import rank_logger
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank0.log").symlink_to("/dev/full")
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    log = rank_logger(tmp_path, 0)
+    try:
+        log.info("step %d", 1)
+        log.info("step %d", 2)
+    finally:
+        for handler in log.handlers:
+            handler.close()
+            log.removeHandler(handler)
+        logging.Logger.manager.loggerDict.pop(log.name, None)
+    assert capsys.readouterr().err == ""
+    writer = _metrics_writer(tmp_path)
+    with pytest.raises(OSError) as failed:
+        _log(writer, [1])
+    assert failed.value.errno == errno.ENOSPC and str(failed.value).endswith(f": '{tmp_path / 'metrics.jsonl'}'")

@@ -2,6 +2,7 @@
 (exit 1). At the bottom of the import graph, so any layer can raise them."""
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -12,6 +13,18 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A runtime failure the user can act on (e.g. no usable checkpoint): one line, exit 1."""
+
+
+@contextlib.contextmanager
+def naming(path: str | Path):
+    """An OSError inside names `path`: a full disk fails in write() or flush(), whose error names
+    no file ("[Errno 28] No space left on device"), so the user could not tell which disk."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def unwritable(path: str | None, flag: str) -> str | None:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from meshlm.errors import naming
+
 
 def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     """A logger writing to `run_dir/logs/rank{rank}.log` (and to stderr on rank 0 for warnings)."""
@@ -23,10 +25,25 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     if not logger.handlers:
-        handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="w")
+        handler = _RankLogHandler(log_dir / f"rank{rank}.log", mode="w")
         handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(message)s"))
         logger.addHandler(handler)
     return logger
+
+
+class _RankLogHandler(logging.FileHandler):
+    """A rank's log file that a full disk does not turn into logging's "--- Logging error ---"
+    traceback on stderr for every line, on every rank: the failure is said once, by the metrics
+    row or checkpoint write that fails next (a rank log repeats what those hold)."""
+
+    def handleError(self, record) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # its last flush, onto the full disk
+            pass
 
 
 def format_bytes(n: float | None) -> str:
@@ -107,7 +124,8 @@ class MetricsWriter:
         if row is not None and row.get("step") == step and step not in rows:
             rows[step] = json.dumps(row)
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(rows[k] + "\n" for k in sorted(rows)))
+        with naming(tmp):
+            tmp.write_text("".join(rows[k] + "\n" for k in sorted(rows)))
         os.replace(tmp, self.path)  # a kill leaves the old file or the new one, never neither
         self._old.unlink(missing_ok=True)
         self._jsonl = open(self.path, "a", buffering=1)
@@ -122,7 +140,8 @@ class MetricsWriter:
         if self._jsonl is None:  # a fresh run's first row: earlier rows are another timeline's
             self._jsonl = open(self.path, "w", buffering=1)
             self._old.unlink(missing_ok=True)
-        self._jsonl.write(json.dumps(jsonable(row)) + "\n")
+        with naming(self.path):  # a full disk: which file
+            self._jsonl.write(json.dumps(jsonable(row)) + "\n")
         if self._tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step" and value is not None:

@@ -16,7 +16,6 @@ safetensors, everything else JSON or TOML.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from meshlm.durable import fsync_dir
-from meshlm.errors import RunError
+from meshlm.errors import RunError, naming
 from meshlm.train.checkpoint.pieces import Rect
 
 MANIFEST = "manifest.json"
@@ -57,18 +56,6 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def naming(path: Path):
-    """An OSError inside names `path`: a full disk fails in write() or flush(), whose error names
-    no file ("[Errno 28] No space left on device"), so the user could not tell which disk."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None and e.errno is not None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
 
 
 def write_bytes_synced(path: Path, data: bytes) -> dict:
