@@ -104,8 +104,23 @@ def test_killed_rank_is_restarted_and_training_continues(corpus, tmp_path, strai
     proc = run_meshlm(*train_args(corpus, tmp_path, "debug.fault=kill", "debug.fault_rank=1", "debug.fault_step=3"),
                       "--nproc", "2", "--max-restarts", "1")
     assert "resumed from" in proc.stdout
-    assert "meshlm: a rank died: restart 1 of 1, from the newest checkpoint" in proc.stderr  # not silent
+    assert ("meshlm: restart 1 of 1, from the newest checkpoint; the attempt before failed: crash: rank 1 died "
+            "without a report") in proc.stderr  # not silent, and says why
     assert losses(tmp_path) == pytest.approx(straight, abs=1e-5, rel=0)
+    no_rank_left(tmp_path)
+
+
+def test_each_restart_says_why_the_attempt_before_failed(corpus, tmp_path):
+    """A week-long run with --max-restarts: each restart said only "a rank died" (also of a rank that
+    raised), and the next attempt's ranks deleted the dumps that said why, so only the last failure
+    was ever explained. Now rank 0 reads the verdict before any rank of the new attempt drops its
+    dump, and says it with the restart."""
+    proc = meshlm(*train_args(corpus, tmp_path, "debug.fault=raise", "debug.fault_rank=1", "debug.fault_step=3"),
+                  "--nproc", "2", "--max-restarts", "1")
+    assert proc.returncode == 1
+    cause = "error: rank 1 failed at step 3 (batch): RuntimeError: debug.fault=raise: injected on rank 1 at step 3"
+    assert f"meshlm: restart 1 of 1, from the newest checkpoint; the attempt before failed: {cause}" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"meshlm: {cause}")  # the last attempt's, as before
     no_rank_left(tmp_path)
 
 

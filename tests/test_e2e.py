@@ -108,7 +108,7 @@ def test_a_config_error_only_the_ranks_can_find_exits_2_on_every_node(corpus, tm
     """Checkpoints into run.dirs the nodes do not share: found when the ranks meet (no launcher can
     see the other node's filesystem), reported in one line and exit 2 as a bad config is. With
     --max-restarts, torchrun restarts on any failure: the later attempts exit 2 at once, saying
-    nothing more (they restarted into the same error, "a rank died: restart k of n" each time)."""
+    nothing more (they restarted into the same error, "restart k of n" each time)."""
     dirs, out, codes = run_two_nodes(corpus, tmp_path, "checkpoint.interval=100", "--max-restarts", str(restarts),
                                      timeout=120)
     assert codes == {1: 2, 0: 2}, out

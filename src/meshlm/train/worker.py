@@ -174,9 +174,6 @@ def init_process_group(backend: str, timeout) -> None:
     addresses under the same keys: connecting to them hangs. Each attempt gets its own key prefix.
     `timeout`: the backend's own, longer than meshlm's watchdog (debug/watchdog.py)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart and int(os.environ.get("RANK", "0")) == 0:  # the agent's own report is silenced (launch.py)
-        print(f"meshlm: a rank died: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, "
-              f"from the newest checkpoint", file=sys.stderr, flush=True)
     if restart == 0:
         dist.init_process_group(backend, timeout=timeout)
         return
@@ -185,6 +182,25 @@ def init_process_group(backend: str, timeout) -> None:
     store, rank, world_size = next(rendezvous("env://"))
     dist.init_process_group(backend, store=dist.PrefixStore(f"meshlm/attempt{restart}", store), rank=rank,
                             world_size=world_size, timeout=timeout)
+
+
+def say_restart(run_dir: str) -> None:
+    """Rank 0 of a restart (--max-restarts) says why the attempt before failed (the agent's own
+    report is silenced: launch.py). Called before this attempt's process group forms: until then no
+    rank of it has dropped its dump of the attempt before (RankGuard), which the verdict reads; a
+    restart said only "a rank died", and the dumps that said why were gone by the next failure."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restart or int(os.environ.get("RANK", "0")) != 0:
+        return
+    from meshlm.debug.analyze import analyze
+
+    try:
+        result = analyze(Path(run_dir))
+        why = result["line"] if result["verdict"] not in ("none", "ok") else "a rank died without a dump"
+    except Exception as e:  # noqa: BLE001 - the restart goes on whatever the analysis finds
+        why = f"(no verdict: {e})"
+    print(f"meshlm: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, from the newest "
+          f"checkpoint; the attempt before failed: {why}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
+    say_restart(cfg.run.dir)
     init_process_group(backend, backend_timeout(cfg.debug))
     try:
         here = meet_rank0(cfg)  # several nodes: note where global rank 0 runs; None: run.dir is everyone's
