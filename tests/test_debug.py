@@ -351,3 +351,56 @@ def test_oom_report_names_rank_phase_categories_and_changes_that_fit(corpus, tmp
         assert params.split()[-2:] == format_bytes(stages[rank].params_bytes).split(), rank
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def _restarted_rank(rank, port, run_dir, cfg, err_path):
+    """Rank `rank` of a restart up to where the worker enters its RankGuard, which drops its dump
+    of the attempt before; rank 0 starts late, as it may on a loaded node."""
+    import os
+    import sys
+
+    from meshlm.debug.guard import RankGuard
+    from meshlm.train.worker import say_restart
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="1",
+                      TORCHELASTIC_MAX_RESTARTS="2")
+    sys.stderr = open(err_path, "w", buffering=1)
+    if rank == 0:
+        time.sleep(1.0)
+    say_restart(str(run_dir))
+    with RankGuard(cfg, rank, 2):
+        pass
+    os._exit(0)
+
+
+def test_a_restart_names_the_failure_before_it_however_late_rank_0_reaches_it(corpus, tmp_path):
+    """Rank 0 of a restart reads the attempt before's dumps; each rank drops its own once its
+    process group exists. gloo's group waits for rank 0, NCCL's does not (it forms lazily at the
+    first collective): a rank ahead of rank 0 dropped the dump that said why (here rank 1's, the
+    failure), and the restart blamed the wrong thing. The ranks meet in torchrun's store first."""
+    import multiprocessing
+    import socket
+
+    from meshlm.debug.guard import RankFailed, RankGuard
+
+    cfg = small_cfg(corpus, tmp_path, 2, "parallel.dp=2")
+    with pytest.raises(RankFailed), RankGuard(cfg, 1, 2):  # the attempt before: rank 1 raised
+        raise RuntimeError("the failure the restart must name")
+    cause = analyze(tmp_path)["line"]
+    assert "the failure the restart must name" in cause
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_restarted_rank, args=(r, port, tmp_path, cfg, tmp_path / f"err{r}")) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=60)
+    del store
+    assert [p.exitcode for p in ranks] == [0, 0]
+    said = (tmp_path / "err0").read_text()
+    assert f"meshlm: restart 1 of 2, from the newest checkpoint; the attempt before failed: {cause}" in said, said
+    assert list((tmp_path / "debug").iterdir()) == []  # and each rank dropped its dump after

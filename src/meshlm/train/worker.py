@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -184,13 +185,24 @@ def init_process_group(backend: str, timeout) -> None:
                             world_size=world_size, timeout=timeout)
 
 
-def say_restart(run_dir: str) -> None:
+def say_restart(run_dir: str, timeout: timedelta = timedelta(minutes=10)) -> None:
     """Rank 0 of a restart (--max-restarts) says why the attempt before failed (the agent's own
-    report is silenced: launch.py). Called before this attempt's process group forms: until then no
-    rank of it has dropped its dump of the attempt before (RankGuard), which the verdict reads; a
-    restart said only "a rank died", and the dumps that said why were gone by the next failure."""
+    report is silenced: launch.py), from the dumps the verdict reads; a restart said only "a rank
+    died", and the dumps that said why were gone by the next failure. Every rank of the attempt
+    calls it before RankGuard drops its dump of the attempt before: the others wait here, in
+    torchrun's store, until rank 0 has read them. (The process group cannot be that wait: NCCL's
+    forms lazily, so init_process_group returns on each rank without waiting for rank 0; only
+    gloo's connect does.)"""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not restart or int(os.environ.get("RANK", "0")) != 0:
+    if not restart:
+        return
+    said = f"meshlm/attempt{restart}/restart_said"
+    store = _agent_store()
+    if int(os.environ.get("RANK", "0")) != 0:
+        try:
+            store.wait([said], timeout)
+        except Exception:  # noqa: BLE001 - rank 0 never got there (it failed): the agent ends the attempt
+            pass
         return
     from meshlm.debug.analyze import analyze
 
@@ -199,8 +211,11 @@ def say_restart(run_dir: str) -> None:
         why = result["line"] if result["verdict"] not in ("none", "ok") else "a rank died without a dump"
     except Exception as e:  # noqa: BLE001 - the restart goes on whatever the analysis finds
         why = f"(no verdict: {e})"
-    print(f"meshlm: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, from the newest "
-          f"checkpoint; the attempt before failed: {why}", file=sys.stderr, flush=True)
+    try:
+        print(f"meshlm: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}, from the newest "
+              f"checkpoint; the attempt before failed: {why}", file=sys.stderr, flush=True)
+    finally:
+        store.set(said, "1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     device = default_device(backend)  # this rank's GPU (LOCAL_RANK) under NCCL, else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL initialises, so it binds to the right GPU
-    say_restart(cfg.run.dir)
+    say_restart(cfg.run.dir, backend_timeout(cfg.debug))
     init_process_group(backend, backend_timeout(cfg.debug))
     try:
         here = meet_rank0(cfg)  # several nodes: note where global rank 0 runs; None: run.dir is everyone's
