@@ -250,3 +250,23 @@ def test_a_full_disk_under_a_run_is_one_named_error_not_a_traceback_per_log_line
     with pytest.raises(OSError) as failed:
         _log(writer, [1])
     assert failed.value.errno == errno.ENOSPC and str(failed.value).endswith(f": '{tmp_path / 'metrics.jsonl'}'")
+
+
+def test_a_rank_log_call_that_does_not_match_its_format_is_still_reported(tmp_path, capsys):
+    """The rank log is silent about its file's failures (a full disk, above), not about meshlm's
+    own: a line whose arguments do not fit its format is lost, so logging's report of it (naming
+    the call) must still reach stderr."""
+    import logging
+
+    from meshlm.train.metrics import rank_logger
+
+    log = rank_logger(tmp_path, 0)
+    try:
+        log.info("step %d loss %.5f", 3)  # one argument short
+    finally:
+        for handler in log.handlers:
+            handler.close()
+            log.removeHandler(handler)
+        logging.Logger.manager.loggerDict.pop(log.name, None)
+    err = capsys.readouterr().err
+    assert "--- Logging error ---" in err and "not enough arguments for format string" in err, err

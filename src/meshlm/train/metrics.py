@@ -37,7 +37,10 @@ class _RankLogHandler(logging.FileHandler):
     row or checkpoint write that fails next (a rank log repeats what those hold)."""
 
     def handleError(self, record) -> None:
-        pass
+        # Only the file's own failures: a call whose arguments do not match its format is a bug
+        # in meshlm, which logging's traceback names (the line is lost either way).
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handleError(record)
 
     def close(self) -> None:
         try:
