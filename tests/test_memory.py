@@ -193,9 +193,12 @@ def test_memory_names_the_changes_that_would_fit(capsys):
     assert "parallel.zero=3" in [s["overrides"] for s in out["suggestions"]]
 
 
-def test_memory_exits_1_when_the_peak_does_not_fit_as_plan_does(capsys):
+def test_memory_exits_1_when_the_peak_does_not_fit_as_plan_does(capsys, monkeypatch):
     """A verdict a script can gate a launch on: 1 when the peak exceeds the device's memory (text
-    and JSON alike, the report still printed), 0 when it fits or no capacity is known."""
+    and JSON alike, the report still printed), 0 when it fits or no capacity is known. Without
+    --device-memory the capacity is the visible GPU's: both machines are set here, so that the
+    test means the same on a GPU machine (where an 80 GiB GPU gives a verdict) as on this one."""
+    from meshlm.analysis import memory_report
     from meshlm.cli import main
 
     config = ["model.preset=llama3-8b", "parallel.dp=8", "train.dtype=bfloat16", "train.seq_len=8192",
@@ -204,8 +207,12 @@ def test_memory_exits_1_when_the_peak_does_not_fit_as_plan_does(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert main(["memory", "--device-memory", "80GiB", *config, "parallel.zero=3"]) == 0
     assert ": fits" in capsys.readouterr().out
-    assert main(["memory", *config]) == 0  # no GPU here, no --device-memory: no verdict
+    monkeypatch.setattr(memory_report, "visible_device_memory", lambda: None)
+    assert main(["memory", *config]) == 0  # no GPU, no --device-memory: no verdict
     assert "fit" not in capsys.readouterr().out
+    monkeypatch.setattr(memory_report, "visible_device_memory", lambda: 80 * 2**30)
+    assert main(["memory", *config]) == 1  # the visible GPU's capacity
+    assert "does NOT fit" in capsys.readouterr().out
 
 
 def test_memory_pipeline_roles_and_plot(capsys, tmp_path):
