@@ -70,13 +70,13 @@ class FullyShardedDataParallel:
         # Units in forward order: the root (embeddings ... head) first, then the policy's modules.
         self.units: list[Unit] = []
         groups = choose_units(module, policy)
-        # The root's embedding weights (not shared with another module) go last: see `Unit.trim`.
+        # The root's embedding tables (nn.Embedding's or the vocabulary-parallel one's, not shared
+        # with another module) go last, cut off after forward as their lookups save only indices
+        # (`Unit.trim`); left in, tensor parallelism kept the table through the loss and head.
         owners: dict[int, list[nn.Module]] = {}
         for sub in module.modules():
             for p in sub.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(sub)
-        # (the vocabulary-parallel embedding too: its lookup saves only indices, as nn.Embedding's;
-        # left out, tensor parallelism kept the table unsharded through the loss and the head's backward)
         tail_ids = {pid for pid, mods in owners.items()
                     if len(mods) == 1 and type(mods[0]) in (nn.Embedding, VocabParallelEmbedding)}
         if groups and groups[0][1]:
