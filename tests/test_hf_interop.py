@@ -33,6 +33,7 @@ SAVED = {  # layout -> (world size, overrides): sharded by dp (ZeRO-3), tp and p
     "dp2-zero3": (2, ["model.tie_embeddings=false", "parallel.zero=3"]),
     "tp2": (2, ["model.tie_embeddings=false", "parallel.tp=2"]),
     "pp2-tied": (2, ["model.tie_embeddings=true", "parallel.pp=2"]),
+    "cp2": (2, ["model.tie_embeddings=false", "parallel.cp=2"]),
 }
 TEXT = "ROMEO: But , soft ! what light through yonder window breaks ?\n\n  It is the east — é ü 😀 <|endoftext|> ."
 
@@ -210,6 +211,26 @@ def test_an_export_outlives_a_running_train_rotating_its_checkpoint_away(saved, 
     assert rotations == [found / "checkpoints" / "step_0000001"]
     assert report.source == found / "checkpoints" / "step_0000002"
     same_export(tmp_path / "out-found")
+
+
+@pytest.mark.parametrize("layout", list(SAVED))
+def test_generate_reads_a_checkpoint_and_a_final_of_any_layout_with_its_weights(corpus, saved, tmp_path, layout):
+    """What `meshlm generate` loads (weights.load_trained), from a checkpoint saved under this layout
+    and from a final/ written with the same weights and this layout's config (each resolved for
+    the world it trained on, dp*tp*cp*pp): the weights the sharded run held, bit for bit."""
+    from meshlm.train.weights import load_trained, save_final
+
+    run_dir, checkpoint, full = saved(layout)
+    world, extra = SAVED[layout]
+    cfg = small_cfg(corpus, run_dir, world, *extra)
+    save_final(full, cfg, checkpoint / "tokenizer.json", tmp_path)
+    for source in (checkpoint, tmp_path / "final"):
+        model, _, loaded, _ = load_trained(source)
+        assert dataclasses.asdict(loaded.parallel) == dataclasses.asdict(cfg.parallel), source
+        state = model.state_dict()
+        for name, value in full.items():
+            assert torch.equal(state[name], value), (source, name)
+        assert (model.output.weight is model.tok_embeddings.weight) == cfg.model.tie_embeddings
 
 
 def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
