@@ -184,3 +184,28 @@ def test_generate_outlives_a_running_train_rotating_its_checkpoint_away(corpus, 
 
     monkeypatch.setattr(store, "verify", rotated_while_verified)
     assert generate(found) == expected and rotations
+
+
+def test_generate_warns_when_a_resume_from_an_older_checkpoint_left_final_behind(corpus, tmp_path, capsys):
+    """A finished 4-step run (final/ at step 4), resumed from its step-2 checkpoint (the newer ones
+    set aside: docs/checkpointing.md), failing at step 4 after its step-3 checkpoint: export of the
+    run directory takes that step-3 checkpoint, final/ holds the other timeline's step 4, so
+    generate warns as when a run resumed with more steps stopped early."""
+    from helpers import meshlm_in_process, small_train_args
+    from meshlm.train.weights import find_trained
+
+    run_dir = tmp_path / "run"
+    args = [*small_train_args(corpus, run_dir, steps=4), "checkpoint.interval=1", "checkpoint.keep=4",
+            "run.sample_tokens=0"]
+    meshlm_in_process("train", *args)
+    older = run_dir / "checkpoints" / "step_0000002"
+    meshlm_in_process("train", *args, f"checkpoint.resume={older}", "debug.fault=raise", "debug.fault_step=4",
+                      code=None)
+    newest = run_dir / "checkpoints" / "step_0000003"
+    assert newest.is_dir() and not (run_dir / "checkpoints" / "step_0000004").exists()
+    assert find_trained(run_dir, prefer="checkpoint") == ("checkpoint", newest)  # what export takes
+    capsys.readouterr()
+    assert meshlm_main(["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"meshlm: warning: using {run_dir / 'final'} (step 4), but checkpoint {newest} was written "
+                   f"after it; pass --checkpoint {newest} to use that one"]

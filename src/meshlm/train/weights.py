@@ -97,8 +97,10 @@ def _warn_if_newer(run_dir: Path, kind: str, found: Path, key: str) -> None:
     """Warn when final/ is taken from run directory `run_dir` but a later checkpoint exists: a run
     resumed with more steps after final/ was written that stopped before finishing (preempted,
     failed) leaves final/ behind its newest checkpoint, and generate (final/ first) and export
-    (checkpoint first) would take different weights without a word. Later: its step is past the
-    train.steps that final/ was written at, and it was written after final/."""
+    (checkpoint first) would take different weights without a word; so does a run resumed from
+    an older checkpoint (the newer ones set aside) that stopped before finishing. Later: written
+    after final/, at another step than the train.steps final/ was written at (at that step it is
+    the run's own last checkpoint, which may finish after final/ or be copied after it)."""
     from meshlm.train.checkpoint.store import MANIFEST, STEP_DIR, list_checkpoints
 
     if kind != "final":
@@ -109,7 +111,7 @@ def _warn_if_newer(run_dir: Path, kind: str, found: Path, key: str) -> None:
     newest = complete[-1]
     try:
         final_steps = load_config(str(found / CONFIG)).train.steps
-        later = (int(STEP_DIR.match(newest.name).group(1)) > final_steps
+        later = (int(STEP_DIR.match(newest.name).group(1)) != final_steps
                  and (newest / MANIFEST).stat().st_mtime > (found / WEIGHTS).stat().st_mtime)
     except (OSError, ConfigError):
         return
