@@ -6,6 +6,7 @@ bad paths and bad configs are one line and exit 2 (1 for a corrupt checkpoint)."
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -231,6 +232,26 @@ def test_generate_reads_a_checkpoint_and_a_final_of_any_layout_with_its_weights(
         for name, value in full.items():
             assert torch.equal(state[name], value), (source, name)
         assert (model.output.weight is model.tok_embeddings.weight) == cfg.model.tie_embeddings
+
+
+def test_a_final_directory_needs_both_its_weights_and_its_tokenizer(saved, tmp_path):
+    """save_final writes model.safetensors and tokenizer.json together: a final/ with one of them
+    alone (a copy cut short) is passed over for the run's newest checkpoint, and on its own it is
+    no model (generate could not load it)."""
+    from meshlm.train.weights import find_trained
+
+    run_dir, checkpoint, _ = saved("single-tied")
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for present in ("model.safetensors", "tokenizer.json"):
+        final = copy / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        final.mkdir()
+        source = "tokenizer.json" if present == "tokenizer.json" else "rank00000.safetensors"
+        shutil.copyfile(checkpoint / source, final / present)
+        assert find_trained(copy, prefer="final") == ("checkpoint", copy / "checkpoints" / checkpoint.name), present
+        with pytest.raises(ConfigError, match="holds no checkpoint"):
+            find_trained(final)
 
 
 def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
