@@ -560,8 +560,6 @@ def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
                                                  "--out", str(tmp_path / "x"), code=2)
     _, checkpoint, _ = saved("single-untied")
     corrupt = tmp_path / "corrupt"
-    import shutil
-
     shutil.copytree(checkpoint, corrupt)
     data = bytearray((corrupt / "rank00000.safetensors").read_bytes())
     data[-5] ^= 0xFF
@@ -569,6 +567,12 @@ def test_bad_export_source_is_one_line(saved, tmp_path, capsys):
     line = in_process_fails(capsys, "export", "--checkpoint", str(corrupt), "--out", str(tmp_path / "x"), code=1)
     assert "rank00000.safetensors" in line and "checksum" in line
     assert not (tmp_path / "x").exists()
+    for lost in ("meta.json", "manifest.json"):  # a checkpoint lacking either file is a damaged one (exit 1)
+        damaged = tmp_path / f"no-{lost}"
+        shutil.copytree(checkpoint, damaged)
+        (damaged / lost).unlink()
+        line = in_process_fails(capsys, "export", "--checkpoint", str(damaged), "--out", str(tmp_path / "x"), code=1)
+        assert lost in line, line
     # another model's directory (a config.json and its shards): never replaced
     other = tmp_path / "other"
     other.mkdir()
