@@ -209,3 +209,20 @@ def test_generate_warns_when_a_resume_from_an_older_checkpoint_left_final_behind
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"meshlm: warning: using {run_dir / 'final'} (step 4), but checkpoint {newest} was written "
                    f"after it; pass --checkpoint {newest} to use that one"]
+
+
+def test_no_warning_when_final_was_written_after_the_newest_checkpoint_of_another_step(corpus, tmp_path, capsys):
+    """A run that failed at step 3 after its step-2 checkpoint, resumed to its end with no more
+    checkpoints (checkpoint.interval=0): final/ (step 3) is newer than every checkpoint, though none
+    is at its step, so generate of the run directory takes it without a warning."""
+    from helpers import meshlm_in_process, small_train_args
+
+    run_dir = tmp_path / "run"
+    args = [*small_train_args(corpus, run_dir, steps=3), "run.sample_tokens=0"]
+    meshlm_in_process("train", *args, "checkpoint.interval=1", "debug.fault=raise", "debug.fault_step=3", code=None)
+    meshlm_in_process("train", *args, "checkpoint.interval=0")
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_0000001", "step_0000002"]
+    assert (run_dir / "final").is_dir()
+    capsys.readouterr()
+    assert meshlm_main(["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == ""
