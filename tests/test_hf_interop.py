@@ -254,6 +254,20 @@ def test_a_final_directory_needs_both_its_weights_and_its_tokenizer(saved, tmp_p
             find_trained(final)
 
 
+def test_export_of_a_run_directory_takes_its_checkpoint_and_generate_its_final(corpus, saved, tmp_path):
+    """A run directory holding both: export takes the newest checkpoint (the masters and the step
+    it can name), generate final/ (docs/checkpointing.md)."""
+    from meshlm.train.weights import find_trained, save_final
+
+    run_dir, checkpoint, full = saved("single-tied")
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    save_final(full, small_cfg(corpus, copy, 1, *SAVED["single-tied"][1]), checkpoint / "tokenizer.json", copy)
+    report = export_hf(copy, tmp_path / "hf")
+    assert report.source == copy / "checkpoints" / checkpoint.name and report.step == 1
+    assert find_trained(copy) == ("final", copy / "final")
+
+
 def test_hf_greedy_text_equals_meshlm_generate(saved, tmp_path, capsys):
     """The CLI end to end, in this process (the commands' code without an interpreter start each;
     meshlm_fails below runs `meshlm export` in a real one): `meshlm export` of a ZeRO-3 run, and
