@@ -251,10 +251,21 @@ def test_meta_init_then_to_empty_equals_direct_init():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_matches_the_built_model(tied):
-    cfg = small_cfg(tie_embeddings=tied)
+    cfg = small_cfg(tie_embeddings=tied, n_layers=3)
     counts = count_parameters(cfg)
-    assert counts["total"] == sum(p.numel() for p in Llama(cfg).parameters())
+    params = dict(Llama(cfg).named_parameters())  # a tied head is listed once, as the embedding
+    assert counts["total"] == sum(p.numel() for p in params.values())
     assert counts["head"] == (0 if tied else 97 * 32)
+
+    def size(*prefixes):
+        return sum(p.numel() for name, p in params.items() if name.startswith(prefixes))
+
+    assert counts["embedding"] == size("tok_embeddings.")
+    assert counts["head"] == size("output.")
+    assert counts["attention_per_layer"] == size("layers.1.attention.")  # wq, wk, wv (GQA: 2 kv heads of 4), wo
+    assert counts["mlp_per_layer"] == size("layers.1.feed_forward.")
+    assert counts["layer"] == size("layers.1.")
+    assert counts["norms"] == sum(p.numel() for name, p in params.items() if name.endswith("norm.weight"))
 
 
 def test_parameter_count_of_published_models():
