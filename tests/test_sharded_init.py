@@ -10,14 +10,21 @@ from meshlm.model import init as init_module
 from meshlm.testing import run_ranks
 
 
-@pytest.mark.parametrize("shape", [(37, 9), (100, 7), (64, 16), (3, 5), (509, 64)])
+@pytest.mark.parametrize("shape", [(37, 9), (100, 7), (64, 16), (3, 5), (509, 64), (5, 15), (3, 25)])
 def test_streamed_rows_equal_the_one_call_draw(monkeypatch, shape):
+    """Rows read from a fresh stream, and row by row through one stream, equal the one-call draw;
+    the stream holds at most one chunk (a tail under 16 elements merged into it) at a time.
+    (5, 15) and (3, 25) are one chunk and a tail under 16: the tail must join it."""
     monkeypatch.setattr(init_module, "STREAM_CHUNK", 64)  # force many chunks, and tails under 16
     cfg = resolve(load_config(None, ["model.preset=debug"])).model
     for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "norm.weight"):
         full = init_module.initial_value(name, shape, 3, cfg)
         for a, b in [(0, shape[0]), (1, 2), (shape[0] // 2, shape[0]), (shape[0] - 1, shape[0]), (0, 1)]:
             assert torch.equal(init_module.initial_rows(name, shape, 3, cfg, a, b), full[a:b]), (name, a, b)
+        stream = init_module.InitStream(name, shape, 3, cfg)
+        for row in range(shape[0]):
+            assert torch.equal(stream.read_rows(row, row + 1), full[row:row + 1]), (name, row)
+            assert stream.chunk.numel() < 64 + 16, (name, row)
 
 
 def _build(world_size, overrides, measure=False):
