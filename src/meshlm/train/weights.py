@@ -54,15 +54,6 @@ def _is_final(path: Path) -> bool:
     return (path / WEIGHTS).exists() and (path / TOKENIZER).exists()
 
 
-def find_model_dir(path: str | Path) -> Path:
-    """Accept a run directory or its `final/` directory."""
-    path = Path(path)
-    for candidate in (path, path / "final"):
-        if _is_final(candidate):
-            return candidate
-    raise ConfigError(f"--checkpoint: no {WEIGHTS} + {TOKENIZER} in {path} or {path / 'final'}")
-
-
 def find_trained(path: str | Path, prefer: str = "final", key: str = "--checkpoint") -> tuple[str, Path]:
     """("final", dir) or ("checkpoint", dir) for `path`: a final/ directory, a checkpoint directory,
     or a run directory (its final/ or its newest good checkpoint, `prefer` first). ConfigError if
