@@ -196,4 +196,24 @@ MODULES = {
     "fsdp_units": ("src/meshlm/parallel/fsdp_units.py", [
         "tests/test_fsdp.py", "tests/test_fsdp_schedule.py",
         "tests/test_ddp.py::test_state_tensors_are_what_model_state_bytes_counts", "-k", "not loss_curve"]),
+    # The trained model's directory: final/ written atomically and read back (generate's greedy text
+    # against transformers', an export's weights and logits against LlamaForCausalLM), a checkpoint
+    # of any layout assembled to the saved weights, which of final/ and the newest checkpoint a run
+    # directory names (and the warning when they disagree), bad paths.
+    "weights": ("src/meshlm/train/weights.py", [
+        "tests/test_hf_interop.py", "tests/test_generate.py", "tests/test_e2e.py",
+        "tests/test_config.py::test_generate_help_names_every_source_it_reads",
+        "-k", "not two_nodes and not signal_stops and not config_error_only and not each_node"]),
+    # Initialisation: the distributions (std 0.02, residual projections over sqrt(2 * layers), norms
+    # at 1), seeds per name, the streamed row blocks against the one-call draw, every sharded
+    # layout's shards against the single-process init; parameter counts against the built model
+    # and Meta's published totals. The 1b construction test is left out (30 s a run).
+    "init": ("src/meshlm/model/init.py", ["tests/test_model.py", "tests/test_sharded_init.py", "-k", "not 1b_model"]),
+    # Hugging Face interop, both ways: exports under every layout loaded by transformers'
+    # LlamaForCausalLM (weights, logits, greedy text, tokenizer), init_from a transformers Llama
+    # (sharded files, tied, llama3 rope scaling) giving every layout its weights, import, bad
+    # sources and configs; the renaming against LlamaForCausalLM's logits in test_model.
+    "hf_import": ("src/meshlm/train/checkpoint/hf_import.py", ["tests/test_hf_interop.py"]),
+    "hf": ("src/meshlm/train/checkpoint/hf.py", [
+        "tests/test_hf_interop.py", "tests/test_model.py::test_logits_and_loss_match_hugging_face"]),
 }
