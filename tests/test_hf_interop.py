@@ -634,6 +634,9 @@ def test_import_never_replaces_a_model_unasked_and_takes_a_short_context(saved, 
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     final = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
+    deeper = tmp_path / "runs" / "of" / "imports"  # --out's missing parents are made
+    assert meshlm_main(["import", "--hf", str(tmp_path / "hf"), "--out", str(deeper)]) == 0
+    assert (deeper / "final" / "model.safetensors").read_bytes() == final
     for out in (tmp_path / "run", run_dir):  # an earlier import; a training run with checkpoints
         line = in_process_fails(capsys, "import", "--hf", str(tmp_path / "hf"), "--out", str(out), code=2)
         assert line.startswith(f"meshlm: error: --out: {out} already holds a model") and "--force" in line
