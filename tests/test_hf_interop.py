@@ -568,8 +568,9 @@ def test_bad_init_from_is_one_line_exit_2(corpus, tmp_path, capsys):
 
 def test_an_unreadable_init_from_source_is_one_line_naming_the_file(saved, hf_models, tmp_path, capsys):
     """A weights file that is not safetensors, an index without its weight_map, a head_dim that is
-    not hidden_size / heads (the quotient named), a config.json without a key it needs, a
-    checkpoint whose manifest cannot be read: exit 2, one line naming model.init_from and the file."""
+    not hidden_size / heads (the quotient named), a config.json without a key it needs, tensors
+    larger than its model's, a checkpoint whose manifest cannot be read: exit 2, one line naming
+    model.init_from and the file."""
     train = ["train", "model.preset=debug", f"run.dir={tmp_path / 'run'}"]
     single, sharded = shutil.copytree(hf_models[True][0], tmp_path / "single"), shutil.copytree(hf_models[False][0],
                                                                                                tmp_path / "sharded")
@@ -586,6 +587,11 @@ def test_an_unreadable_init_from_source_is_one_line_naming_the_file(saved, hf_mo
     (single / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "intermediate_size"}))
     line = in_process_fails(capsys, *train, f"model.init_from={single}", code=2)
     assert line == f"meshlm: error: model.init_from: {single / 'config.json'} has no intermediate_size"
+    wider = shutil.copytree(hf_models[True][0], tmp_path / "wider")  # tensors larger than config.json's model
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    line = in_process_fails(capsys, *train, f"model.init_from={wider}", code=2)
+    assert "mlp" in line and ("has shape [96, 64], the model of its config.json needs [80, 64]" in line
+                              or "has shape [64, 96], the model of its config.json needs [64, 80]" in line), line
     checkpoint = shutil.copytree(saved("single-untied")[1], tmp_path / "checkpoint")
     (checkpoint / "manifest.json").write_text("{not json")
     line = in_process_fails(capsys, *train, f"model.init_from={checkpoint}", code=2)
