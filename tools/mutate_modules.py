@@ -216,4 +216,8 @@ MODULES = {
     "hf_import": ("src/meshlm/train/checkpoint/hf_import.py", ["tests/test_hf_interop.py"]),
     "hf": ("src/meshlm/train/checkpoint/hf.py", [
         "tests/test_hf_interop.py", "tests/test_model.py::test_logits_and_loss_match_hugging_face"]),
+    # Export: every saved layout's export loaded by transformers' LlamaForCausalLM (weights bit for
+    # bit, logits, greedy text, tokenizer, bf16, llama3 rope scaling, the end token), from a final/
+    # too, and which --out it may replace.
+    "hf_export": ("src/meshlm/train/checkpoint/hf_export.py", ["tests/test_hf_interop.py"]),
 }
