@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,16 @@ def test_export_in_bfloat16(saved, tmp_path):
     theirs = hf.state_dict()
     for name, value in full.items():
         assert torch.equal(theirs[hf_name(name)], value.to(torch.bfloat16)), name
+
+
+def test_an_export_makes_the_parents_of_its_out_and_reports_the_seconds_it_took(saved, tmp_path):
+    _, checkpoint, _ = saved("single-tied")
+    out = tmp_path / "exports" / "of" / "run"
+    start = time.perf_counter()
+    report = export_hf(checkpoint, out)
+    wall = time.perf_counter() - start
+    assert 0 < report.seconds <= wall and report.out == out
+    assert transformers.LlamaForCausalLM.from_pretrained(out).config.tie_word_embeddings is True
 
 
 def test_export_of_a_final_directory(corpus, saved, tmp_path):
