@@ -77,3 +77,29 @@ def test_grad_norm_and_clipping_equal_one_process(corpus, tmp_path, world):
             if weights is not None:
                 for name, ref in ref_weights.items():
                     assert torch.allclose(weights[name], ref, atol=1e-5, rtol=0), (layout, name)
+
+
+def _norms_of_distinct_squares_rank():
+    from meshlm.comm import Comm
+    from meshlm.mesh import Layout, ParallelContext
+    from meshlm.parallel.grad_norm import global_grad_norm
+
+    comm = Comm(ParallelContext(Layout(tp=2, dp=2, pp=2)))
+    squares = torch.tensor(2.0 ** comm.ctx.rank)  # each rank a distinct bit: a sum names its ranks
+    replicated, sharded = global_grad_norm(squares, comm), global_grad_norm(squares, comm, dp_sharded=True)
+    return replicated.item() ** 2, sharded.item() ** 2, squares.item()
+
+
+def test_the_norm_sums_over_data_parallel_ranks_only_when_they_hold_distinct_shards():
+    """The global norm's contract on its own, at tp 2 x dp 2 x pp 2: tp and pp shards are always
+    distinct elements (summed); dp replicas hold copies (ZeRO-0/1, the default), summed only with
+    `dp_sharded` (ZeRO-2/3). Rank r contributes 2^r, so each squared norm says which ranks it
+    summed; the expected sets come from the layout's rank formula, r = tp_i + 2 * (dp_i + 2 * pp_i).
+    The engines' tests pass `dp_sharded` explicitly; a parameterless pipeline stage relies on
+    the default (with True it would issue a dp all-reduce no other engine does)."""
+    per_rank = run_ranks(_norms_of_distinct_squares_rank, 8, timeout=120)
+    for rank, (replicated, sharded, mine) in enumerate(per_rank):
+        same_dp = [r for r in range(8) if (r // 2) % 2 == (rank // 2) % 2]  # every tp and pp coordinate
+        assert mine == 2.0 ** rank
+        assert replicated == pytest.approx(sum(2.0 ** r for r in same_dp), rel=1e-6), rank
+        assert sharded == pytest.approx(2.0 ** 8 - 1, rel=1e-6), rank
