@@ -40,11 +40,36 @@ def test_warmup_stable_decay_holds_the_peak_then_decays_over_its_fraction(decay,
         [0.1 + 0.9 * remaining((s + 1 - 10) / 100) for s in range(10, 110)])
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear", "sqrt"])
+@pytest.mark.parametrize("fraction", [0.01, 0.05])
+def test_a_decay_shorter_than_one_update_is_the_last_update_alone(decay, fraction):
+    """decay_fraction times the 20 post-warmup updates rounds to 0 (0.01) or 1 (0.05) updates:
+    the decay is then the run's last update alone, at the floor; every update after warmup
+    before it holds the peak (the range allows any fraction above 0)."""
+    cfg = TrainConfig(steps=24, lr=1.0, warmup_steps=4, min_lr_ratio=0.1, lr_decay=decay, decay_fraction=fraction)
+    assert [lr_at(s, cfg) for s in range(24)] == pytest.approx([0.25, 0.5, 0.75, 1.0] + [1.0] * 19 + [0.1])
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "sqrt"])
+def test_past_the_last_update_the_rate_holds_at_the_floor(decay):
+    """lr_at(steps) is the rate a finished run's last checkpoint records as its next (state.py's
+    next_lr); a schedule's shape continued past progress 1 would climb back (cosine) or fall
+    below the floor (linear, sqrt)."""
+    cfg = TrainConfig(steps=30, lr=1.0, warmup_steps=5, min_lr_ratio=0.1, lr_decay=decay)
+    assert [lr_at(s, cfg) for s in range(29, 34)] == pytest.approx([0.1] * 5, rel=1e-12)
+
+
 def test_lr_scaling_rules():
     assert scale_lr(1e-3, 256, 1024, "linear") == pytest.approx(4e-3)
     assert scale_lr(1e-3, 256, 1024, "sqrt") == pytest.approx(2e-3)
-    with pytest.raises(ValueError):
-        scale_lr(1e-3, 1, 2, "cubic")
+    # ratios that are not whole numbers, up and down
+    assert scale_lr(1e-3, 256, 384, "linear") == pytest.approx(1.5e-3)
+    assert scale_lr(1e-3, 256, 384, "sqrt") == pytest.approx(1e-3 * math.sqrt(1.5))
+    assert scale_lr(1e-3, 1024, 256, "linear") == pytest.approx(2.5e-4)
+    assert scale_lr(1e-3, 1024, 256, "sqrt") == pytest.approx(5e-4)
+    for rule in ("cubic", "square", "sqrt2", "zzz", "Linear", ""):  # names on both sides of the known ones
+        with pytest.raises(ValueError, match=f"unknown LR scaling rule {rule!r} \\(linear or sqrt\\)"):
+            scale_lr(1e-3, 1, 2, rule)
 
 
 def test_live_tensor_bytes_counts_allocations_views_and_frees():

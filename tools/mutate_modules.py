@@ -227,4 +227,14 @@ MODULES = {
     # cp, pp with a tied embedding, interleaved, and their products); the norm on its own at
     # tp 2 x dp 2 x pp 2, summed over dp only when sharded.
     "grad_norm": ("src/meshlm/parallel/grad_norm.py", ["tests/test_grad_norm.py"]),
+    # AdamW and the learning rate: the schedule against its formulas (warmup, cosine, WSD's
+    # linear, sqrt and cosine decays, a decay shorter than one update, the floor past the last),
+    # the scaling rules (ratios that are not whole, unknown names); build_optimizer as the reference that
+    # meshlm's SegmentAdamW and DDP must equal (decay groups, betas, eps); the trainer against a
+    # plain torch loop with its own schedule.
+    "optim": ("src/meshlm/train/optim.py", [
+        "tests/test_train_utils.py", "tests/test_ddp.py::test_equals_torch_distributed_data_parallel",
+        "tests/test_zero.py::test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimizer",
+        "tests/test_trainer.py::test_accumulation_equals_a_plain_pytorch_loop",
+        "-k", "lr or warmup or decay or rate or equals"]),
 }
