@@ -237,4 +237,19 @@ MODULES = {
         "tests/test_zero.py::test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimizer",
         "tests/test_trainer.py::test_accumulation_equals_a_plain_pytorch_loop",
         "-k", "lr or warmup or decay or rate or equals"]),
+    # The pipeline's messages: which connection each direction travels on gloo (one batch on
+    # NCCL), one spec exchange per shape, every spec's encoding, both sides' errors; the engine's
+    # contract at pp 2 (batching per backend, ordering, timings); stages that disagree on a shape
+    # fail on both sides; schedules against one process at pp 4 (interleaved: the wrap from the
+    # last stage to the first), dp x pp, bf16 activations, and against torch.distributed.pipelining.
+    # (The 8-stage and ZeRO cases add minutes per mutant, not kills: a mutant that loses a message
+    # hangs every one of them until its timeout.)
+    "p2p": ("src/meshlm/parallel/pipeline/p2p.py", [
+        "tests/test_pipeline_p2p.py", "tests/test_pipeline_engine.py",
+        "tests/test_pipeline.py::test_stages_that_disagree_on_activation_shapes_fail_clearly_instead_of_hanging",
+        "tests/test_pipeline.py::test_pipeline_equals_single_process[4-interleaved-2-2]",
+        "tests/test_pipeline.py::test_pipeline_equals_single_process[4-1f1b-1-4]",
+        "tests/test_pipeline.py::test_data_parallel_times_pipeline_equals_single_process[interleaved-2]",
+        "tests/test_pipeline.py::test_bf16_weights_pipeline_equals_single_process[1-interleaved-2]",
+        "tests/test_pipeline.py::test_gradients_equal_torch_pipelinings_for_the_same_stages_and_schedule"]),
 }
