@@ -41,6 +41,7 @@ LAYOUTS = {
     4: [("parallel.tp=4",),  # tp a multiple of n_kv_heads=2: each kv head replicated on two ranks
         ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1", *TIED),
         ("parallel.dp=2", "parallel.pp=2", "parallel.zero=1", *TIED),
+        ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2", *TIED),  # sequence shards between stages
         ("parallel.tp=2", "parallel.cp=2", "parallel.zero=0"),
         ("parallel.dp=2", "parallel.cp=2", "parallel.zero=3")],
     # A world that is not a power of two, where off-by-one shard and rank arithmetic that 2 and 4

@@ -252,4 +252,22 @@ MODULES = {
         "tests/test_pipeline.py::test_data_parallel_times_pipeline_equals_single_process[interleaved-2]",
         "tests/test_pipeline.py::test_bf16_weights_pipeline_equals_single_process[1-interleaved-2]",
         "tests/test_pipeline.py::test_gradients_equal_torch_pipelinings_for_the_same_stages_and_schedule"]),
+    # Pipeline stages: the layer split against its properties (contiguous, balanced, larger first;
+    # explicit splits and bad ones); the sharded build of pp layouts (tp x pp with a tied embedding,
+    # interleaved) against the single-process init; schedules against one process with chunks, a
+    # tied embedding across stages (and under ZeRO), stages and chunks without layers; the gather of
+    # every stage's weights on rank 0 and a tp x pp checkpoint's stored tensors; clipped steps
+    # against one process at world 4 (with tp 2 x sp x pp 2: sequence shards between stages).
+    "stage": ("src/meshlm/parallel/pipeline/stage.py", [
+        "tests/test_pipeline_stage.py", "tests/test_pipeline_runner.py",
+        "tests/test_sharded_init.py::test_sharded_build_equals_the_single_process_init[tp2-pp2-tied]",
+        "tests/test_sharded_init.py::test_sharded_build_equals_the_single_process_init[pp2-interleaved-zero1]",
+        "tests/test_pipeline.py::test_pipeline_equals_single_process[4-interleaved-2-2]",
+        "tests/test_pipeline.py::test_tied_embeddings_stay_in_sync_across_first_and_last_stage",
+        "tests/test_pipeline.py::test_tied_embeddings_across_stages_with_zero[1]",
+        "tests/test_pipeline.py::test_a_stage_without_parameters_does_not_break_data_parallelism",
+        "tests/test_pipeline.py::test_zero3_interleaved_with_a_chunk_of_no_layers_equals_single_process[2,0,3,3]",
+        "tests/test_pipeline.py::test_weight_gradients_owed_at_the_last_backward_are_in_the_data_parallel_reduction",
+        "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp2-pp2]",
+        "tests/test_grad_norm.py::test_grad_norm_and_clipping_equal_one_process[4]"]),
 }
