@@ -122,7 +122,7 @@ def test_a_pretrained_tokenizer_must_fit_the_embedding_exactly_or_with_room(tmp_
 def test_an_explicit_pipeline_split_must_cover_every_layer_once():
     base = ["model.n_layers=4", "parallel.pp=2", "train.micro_batch_size=4", "train.global_batch_size=16"]
     assert resolve(load_config(None, [*base, "parallel.pp_layers=3,1"]), world_size=2).parallel.pp_layers == "3,1"
-    for bad in ("3,2", "5,-1", "4"):
+    for bad in ("3,2", "5,-1", "4", "2,1,1", "2,1"):  # the sum, a negative, too few, too many, too few layers
         with pytest.raises(ConfigError, match="parallel.pp_layers"):
             resolve(load_config(None, [*base, f"parallel.pp_layers={bad}"]), world_size=2)
     # Without a split the layers must divide evenly; with one they need not.

@@ -41,6 +41,9 @@ def test_rank_arithmetic_matches_brute_force_for_hundreds_of_shapes():
         expected_coords = brute_force_coords(layout)
         assert [layout.coords(r) for r in range(layout.world_size)] == expected_coords, layout
         assert [layout.rank_of(c) for c in expected_coords] == list(range(layout.world_size))
+        # an axis left out counts as coordinate 0 (as rank_of's docstring says)
+        assert [layout.rank_of({a: v for a, v in c.items() if v}) for c in expected_coords] == \
+            list(range(layout.world_size))
         for axes in ALL_AXIS_SETS:
             groups = layout.groups(axes)
             assert groups == brute_force_groups(layout, axes), (layout, axes)
@@ -152,6 +155,7 @@ def _context_rank(layout_kwargs):
     if ctx.embedding_group is not None:
         dist.all_reduce(t, group=ctx.embedding_group)
     out["embedding"] = (ctx.embedding_ranks, t.item())
+    out["stage"] = (ctx.is_first_stage, ctx.is_last_stage)
     # Pipeline neighbours: everyone sends its rank to the next stage.
     if ctx.size("pp") > 1:
         got = torch.zeros(1)
@@ -167,6 +171,7 @@ def _context_rank(layout_kwargs):
     (dict(tp=2, cp=1, dp=2, pp=2), 4 + 4 + 4),  # tp, dp, pp; cp=1 costs nothing, dp+cp reuses dp
     (dict(tp=2, cp=2, dp=1, pp=2), 4 + 4 + 4),  # tp, cp, pp; dp+cp reuses cp
     (dict(tp=1, cp=1, dp=2, pp=4), 4 + 2 + 2),  # dp, pp, and the (first, last) embedding pairs
+    (dict(tp=2, cp=1, dp=2, pp=1), 2 + 2),  # tp, dp; one stage holds both embeddings: no group
 ])
 def test_every_rank_holds_the_right_groups(layout_kwargs, new_groups):
     layout = Layout(**layout_kwargs)
@@ -182,6 +187,8 @@ def test_every_rank_holds_the_right_groups(layout_kwargs, new_groups):
         emb = tuple(sorted({pipeline[0], pipeline[-1]}))
         # Middle stages are not in their pipeline's embedding group: nothing is reduced there.
         assert out["embedding"] == (emb, float(sum(emb)) if rank in emb else float(rank))
+        stage = layout.coords(rank)["pp"]
+        assert out["stage"] == (stage == 0, stage == layout.pp - 1)
         if layout.pp > 1:
             prev = layout.pp_neighbour(rank, -1)
             assert out["from_prev"] == (prev, float(prev))

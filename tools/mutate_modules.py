@@ -270,4 +270,14 @@ MODULES = {
         "tests/test_pipeline.py::test_weight_gradients_owed_at_the_last_backward_are_in_the_data_parallel_reduction",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp2-pp2]",
         "tests/test_grad_norm.py::test_grad_norm_and_clipping_equal_one_process[4]"]),
+    # The layout and its process groups: rank arithmetic against brute-force enumeration for
+    # hundreds of shapes, pipeline neighbours and embedding groups, the layout checks naming their
+    # key (and the config's explicit pipeline split), every rank's groups and stage at worlds 4-8,
+    # one stage included; the backend and device picked (doctor's GPU tests).
+    "mesh": ("src/meshlm/mesh.py", [
+        "tests/test_mesh.py", "tests/test_doctor.py::test_gpu_shortfall",
+        "tests/test_doctor.py::test_train_with_more_ranks_than_gpus_is_one_line_and_exit_2",
+        "tests/test_doctor.py::test_nccl_asked_for_without_cuda_is_one_line_and_exit_2",
+        "tests/test_doctor.py::test_gloo_asked_for_on_a_gpu_machine_runs_on_the_cpu",
+        "tests/test_config.py::test_an_explicit_pipeline_split_must_cover_every_layer_once"]),
 }
