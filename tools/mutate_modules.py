@@ -220,8 +220,6 @@ MODULES = {
     # bit, logits, greedy text, tokenizer, bf16, llama3 rope scaling, the end token), from a final/
     # too, and which --out it may replace.
     "hf_export": ("src/meshlm/train/checkpoint/hf_export.py", ["tests/test_hf_interop.py"]),
-
-
     # The global gradient norm: the reported norm and the weights after clipped steps against one
     # process on every layout of worlds 2-4 (ZeRO 0-3, tp with replicated norms and kv heads, sp,
     # cp, pp with a tied embedding, interleaved, and their products); the norm on its own at
