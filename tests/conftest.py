@@ -25,6 +25,15 @@ def _deterministic():
 
 
 @pytest.fixture(scope="session")
+def saved(corpus, tmp_path_factory):
+    """layout -> (run dir, checkpoint, full weights) of hf_saved.SAVED, each made on first use: one
+    set for the Hugging Face export and import tests."""
+    from hf_saved import saved_runs
+
+    return saved_runs(corpus, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def single_cli_run(corpus, tmp_path_factory):
     """One rank through `meshlm train` (helpers.cli_train_args), in this process: the reference loss
     curve the end-to-end tests of every layout compare with. Returns (run dir, completed process)."""

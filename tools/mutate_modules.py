@@ -201,7 +201,7 @@ MODULES = {
     # of any layout assembled to the saved weights, which of final/ and the newest checkpoint a run
     # directory names (and the warning when they disagree), bad paths.
     "weights": ("src/meshlm/train/weights.py", [
-        "tests/test_hf_interop.py", "tests/test_generate.py", "tests/test_e2e.py",
+        "tests/test_hf_export.py", "tests/test_hf_interop.py", "tests/test_generate.py", "tests/test_e2e.py",
         "tests/test_config.py::test_generate_help_names_every_source_it_reads",
         "-k", "not two_nodes and not signal_stops and not config_error_only and not each_node"]),
     # Initialisation: the distributions (std 0.02, residual projections over sqrt(2 * layers), norms
@@ -213,13 +213,13 @@ MODULES = {
     # LlamaForCausalLM (weights, logits, greedy text, tokenizer), init_from a transformers Llama
     # (sharded files, tied, llama3 rope scaling) giving every layout its weights, import, bad
     # sources and configs; the renaming against LlamaForCausalLM's logits in test_model.
-    "hf_import": ("src/meshlm/train/checkpoint/hf_import.py", ["tests/test_hf_interop.py"]),
+    "hf_import": ("src/meshlm/train/checkpoint/hf_import.py", ["tests/test_hf_interop.py", "tests/test_hf_export.py"]),
     "hf": ("src/meshlm/train/checkpoint/hf.py", [
-        "tests/test_hf_interop.py", "tests/test_model.py::test_logits_and_loss_match_hugging_face"]),
+        "tests/test_hf_interop.py", "tests/test_hf_export.py", "tests/test_model.py::test_logits_and_loss_match_hugging_face"]),
     # Export: every saved layout's export loaded by transformers' LlamaForCausalLM (weights bit for
     # bit, logits, greedy text, tokenizer, bf16, llama3 rope scaling, the end token), from a final/
     # too, and which --out it may replace.
-    "hf_export": ("src/meshlm/train/checkpoint/hf_export.py", ["tests/test_hf_interop.py"]),
+    "hf_export": ("src/meshlm/train/checkpoint/hf_export.py", ["tests/test_hf_export.py", "tests/test_hf_interop.py"]),
     # The global gradient norm: the reported norm and the weights after clipped steps against one
     # process on every layout of worlds 2-4 (ZeRO 0-3, tp with replicated norms and kv heads, sp,
     # cp, pp with a tied embedding, interleaved, and their products); the norm on its own at
