@@ -108,6 +108,30 @@ def test_export_of_a_final_directory(corpus, saved, tmp_path):
         assert (tmp_path / "from-final" / name).read_bytes() == (tmp_path / "from-checkpoint" / name).read_bytes()
 
 
+def test_final_is_on_disk_before_its_name_says_it_exists(corpus, saved, tmp_path, monkeypatch):
+    """final/ (what generate and export prefer) is written as a checkpoint is: every file and the
+    temp directory fsynced before the rename, the run directory after it. A rename alone could
+    leave final/ naming files of zeros after a power loss (and a second save replaces the first)."""
+    import os
+
+    from meshlm.train.weights import save_final
+
+    run_dir, checkpoint, full = saved("single-tied")
+    cfg = small_cfg(corpus, run_dir, 1, *SAVED["single-tied"][1])
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    for _ in range(2):
+        events.clear()
+        save_final(full, cfg, checkpoint / "tokenizer.json", tmp_path)
+        final, tmp = tmp_path / "final", str(tmp_path / "final.tmp")
+        into_final = events.index(("replace", tmp, str(final)))
+        synced_before = {path for kind, path, *_ in events[:into_final] if kind == "fsync"}
+        assert {str(tmp_path / "final.tmp" / p.name) for p in final.iterdir()} | {tmp} <= synced_before, events
+        assert ("fsync", str(tmp_path)) in events[into_final:], events
+
+
 def test_an_export_outlives_a_running_train_rotating_its_checkpoint_away(saved, tmp_path, monkeypatch):
     """`meshlm export RUN_DIR` while a train runs there: the train's next save deletes the
     checkpoint being exported (checkpoint.keep=1). Deleted once the export had opened it, the export

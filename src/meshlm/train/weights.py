@@ -28,7 +28,10 @@ CONFIG = "config.toml"
 
 def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path: Path, run_dir: Path) -> Path:
     """Write the full (unsharded) weights to `run_dir/final/` atomically: into a temp dir, then
-    one rename, so a crash never leaves a half-written model where a good one was."""
+    one rename, so a crash never leaves a half-written model where a good one was. Durably, as a
+    checkpoint (durable.py): after a power loss the rename alone could name files of zeros."""
+    from meshlm.durable import fsync_dir, fsync_file
+
     model = Llama(cfg.model)
     model.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()})
     final = run_dir / "final"
@@ -42,10 +45,14 @@ def save_final(state_dict: dict[str, torch.Tensor], cfg: Config, tokenizer_path:
         if (Path(tokenizer_path).parent / name).is_file():  # template (tokenizer.chat_template): for exports
             shutil.copyfile(Path(tokenizer_path).parent / name, tmp / name)
     (tmp / CONFIG).write_text(to_toml(cfg))
+    for written in tmp.iterdir():
+        fsync_file(written)
+    fsync_dir(tmp)
     old = run_dir / "final.old"
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    fsync_dir(run_dir)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
