@@ -180,6 +180,44 @@ def test_an_export_outlives_a_running_train_rotating_its_checkpoint_away(saved, 
     same_export(tmp_path / "out-found")
 
 
+def test_an_export_whose_checkpoint_vanishes_before_it_opens_leaves_no_copy_behind(saved, tmp_path, monkeypatch):
+    """The tokenizer files are copied aside before the checkpoint is opened (a train may delete it):
+    a checkpoint gone by then is looked for again, and each failed try's copy is removed at once,
+    not left in the temporary directory for the garbage collector."""
+    import gc
+    import tempfile
+    import warnings
+
+    from meshlm.train.checkpoint import store
+
+    tmp_root = tmp_path / "tmp"
+    tmp_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_root))
+    import shutil
+
+    run_dir = shutil.copytree(saved("single-tied")[0], tmp_path / "run")
+    real_init, calls = store.CheckpointReader.__init__, []
+
+    def rotated_before_open(self, path):  # the train saves step 2 and deletes step 1 just then
+        calls.append(path)
+        if len(calls) == 1:
+            shutil.copytree(path, path.with_name("step_0000002"))
+            shutil.rmtree(path)
+            raise FileNotFoundError(2, "No such file or directory", str(path / "rank0.safetensors"))
+        real_init(self, path)
+
+    monkeypatch.setattr(store.CheckpointReader, "__init__", rotated_before_open)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_hf(run_dir, tmp_path / "out")
+        gc.collect()
+    # tempfile's "Implicitly cleaning up": a copy left to the garbage collector
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    assert [p.name for p in calls] == ["step_0000001", "step_0000002"]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert list(tmp_root.glob("meshlm-held-*")) == []
+
+
 @pytest.mark.parametrize("layout", list(SAVED))
 def test_generate_reads_a_checkpoint_and_a_final_of_any_layout_with_its_weights(corpus, saved, tmp_path, layout):
     """What `meshlm generate` loads (weights.load_trained), from a checkpoint saved under this layout

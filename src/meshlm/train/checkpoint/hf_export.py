@@ -70,7 +70,11 @@ class _CheckpointSource(_Source):
         # reader maps every rank file, and from there on a deletion changes nothing.
         self._held = held_copy(path, ("tokenizer.json", TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE))
         self.tokenizer = Path(self._held.name) / "tokenizer.json"
-        self.reader = CheckpointReader(path)
+        try:
+            self.reader = CheckpointReader(path)
+        except BaseException:  # deleted before it was open: open_trained looks again, with a new copy
+            self._held.cleanup()
+            raise
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         self.model = ModelConfig(**{k: v for k, v in self.reader.meta["model"].items() if k in known})
         self.shapes = self.reader.shapes
