@@ -57,31 +57,34 @@ class EngineState:
                         # launches it (inside that backward), alive to finish_backward
 
 
-BLOCK_TENSORS = 9  # a block's parameter tensors (parameter_sizes)
+BLOCK_TENSORS = 9  # a block's parameter tensors (block_parameters)
+
+
+def block_parameters(cfg: Config) -> list[tuple[bool, int]]:
+    """A block's parameters on one tp rank in registration order, (decays, elements): attention
+    norm, wq, wk, wv, wo, ffn norm, w1, w2, w3 (matrices decay, the norms' gains not)."""
+    m, p = cfg.model, cfg.parallel
+    hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
+    q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
+    return [(False, m.dim), (True, q), (True, m.dim * kv * hd), (True, m.dim * kv * hd), (True, q),
+            (False, m.dim), (True, f), (True, f), (True, f)]  # BLOCK_TENSORS of them
+
+
+def parameter_layout(cfg: Config, pp_rank: int) -> list[tuple[bool, int]]:
+    """(decays, elements) of each parameter pipeline rank `pp_rank` holds on one tp rank, in the
+    engines' layout order (reverse registration: the head, the final norm, the blocks from the
+    top, each from w3 to the attention norm; the embedding last)."""
+    counts = rank_parameters(cfg, pp_rank)
+    head = [(True, counts["head"])] if counts["head"] else []
+    norm = [(False, counts["norm"])] if counts["norm"] else []
+    layers = len(stage_layers(cfg)[pp_rank])
+    return head + norm + block_parameters(cfg)[::-1] * layers \
+        + ([(True, counts["embedding"])] if counts["embedding"] else [])
 
 
 def parameter_sizes(cfg: Config, pp_rank: int) -> list[int]:
-    """Elements of each parameter pipeline rank `pp_rank` holds on one tp rank, in the engines'
-    layout order (reverse registration: the head, the final norm, the blocks from the top, each
-    w2, w3, w1, ffn norm, wo, wv, wk, wq, attention norm; the embedding last)."""
-    m, p = cfg.model, cfg.parallel
-    counts = rank_parameters(cfg, pp_rank)
-    hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
-    q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
-    block = [f, f, f, m.dim, q, m.dim * kv * hd, m.dim * kv * hd, q, m.dim]  # BLOCK_TENSORS of them
-    head = [counts["head"]] if counts["head"] else []
-    norm = [counts["norm"]] if counts["norm"] else []
-    layers = len(stage_layers(cfg)[pp_rank])
-    return head + norm + block * layers + ([counts["embedding"]] if counts["embedding"] else [])
-
-
-def parameter_decays(cfg: Config, pp_rank: int) -> list[bool]:
-    """Whether each of `parameter_sizes`' parameters decays (matrices do, the norms' gains not)."""
-    counts = rank_parameters(cfg, pp_rank)
-    block = [True, True, True, False, True, True, True, True, False]  # (parameter_sizes' order)
-    layers = len(stage_layers(cfg)[pp_rank])
-    return ([True] if counts["head"] else []) + ([False] if counts["norm"] else []) + block * layers \
-        + ([True] if counts["embedding"] else [])
+    """Elements of each of `parameter_layout`'s parameters."""
+    return [n for _, n in parameter_layout(cfg, pp_rank)]
 
 
 def bucket_ends(sizes: list[int], cap: int) -> list[int]:
@@ -130,12 +133,12 @@ def held_denominator_elements(units: list[list[tuple[bool, int]]], d: int) -> in
 
 
 @functools.lru_cache(maxsize=1024)
-def _bucket_step_elements(sizes: tuple[int, ...], decays: tuple[bool, ...], cap: int, d: int) -> int:
-    """held_denominator_elements over ZeRO-1/2's buckets (FlatLayout's cut of `sizes` at `cap`),
+def _bucket_step_elements(layout: tuple[tuple[bool, int], ...], cap: int, d: int) -> int:
+    """held_denominator_elements over ZeRO-1/2's buckets (FlatLayout's cut of `layout` at `cap`),
     once per shape: the planner evaluates many layouts of one (it cost a plan a third more)."""
     lo, units = 0, []
-    for end in bucket_ends(list(sizes), cap):
-        units.append(list(zip(decays[lo:end + 1], sizes[lo:end + 1])))
+    for end in bucket_ends([n for _, n in layout], cap):
+        units.append(list(layout[lo:end + 1]))
         lo = end + 1
     return held_denominator_elements(units, d)
 
@@ -145,10 +148,7 @@ def fsdp_units(cfg: Config, counts: dict[str, int]) -> list[list[tuple[bool, int
     root (the norm and head, the embedding last: fsdp.py's tail; a tied table where it is
     registered, first), then each block (attention norm, wq, wk, wv, wo, ffn norm, w1, w2, w3)."""
     m, p = cfg.model, cfg.parallel
-    hd, kv = m.head_dim, max(1, m.n_kv_heads // p.tp)
-    q, f = m.dim * (m.n_heads // p.tp) * hd, m.dim * (m.ffn_dim // p.tp)
-    block = [(False, m.dim), (True, q), (True, m.dim * kv * hd), (True, m.dim * kv * hd), (True, q),
-             (False, m.dim), (True, f), (True, f), (True, f)]
+    block = block_parameters(cfg)
     norm = [(False, counts["norm"])] if counts["norm"] else []
     if m.tie_embeddings and counts["embedding"] and not counts["head"]:
         root = [(True, counts["embedding"])] + norm
@@ -205,8 +205,7 @@ def engine_state(cfg: Config, counts: dict[str, int], backend: str, pp_rank: int
         # AdamW steps this rank's slice of each bucket segment by segment, the previous
         # segment's denominator alive beside the next one's two temporaries (as FSDP's units)
         cap = max(1, (stage2_bucket_bytes(item * n) if p.zero == 2 else DEFAULT_BUCKET_BYTES) // item)
-        shard_step = fp32_grads + 4 * _bucket_step_elements(tuple(parameter_sizes(cfg, pp_rank)),
-                                                            tuple(parameter_decays(cfg, pp_rank)), cap, d)
+        shard_step = fp32_grads + 4 * _bucket_step_elements(tuple(parameter_layout(cfg, pp_rank)), cap, d)
         # A bucket never splits a parameter: the first one reduced holds at least the (untied) head,
         # the last one the embedding (a tied table is registered there), however small the nominal
         # size (for `1b`, 262M elements each).
