@@ -156,7 +156,7 @@ def point_params_into(buffer: torch.Tensor, slots: Sequence[Slot], copy: bool = 
 class ReadyTracker:
     """Gradient-ready bookkeeping: launches a bucket once all its parameters are marked, buckets
     strictly in index order (bucket k never before bucket k-1), so all ranks agree on the order.
-A backward may cover only some buckets (`reset(order)`, `extend`): those, still in index order.
+    A backward may cover only some buckets (`reset(order)`, `extend`): those, still in index order.
 
     `members` holds each bucket's parameters. Parameters that get no gradient on the first step
     are found by `flush` and excluded from later steps' waiting; if one of them later gets a

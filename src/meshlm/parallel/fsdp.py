@@ -24,12 +24,12 @@ Every micro-batch's backward reduce-scatters (`no_sync()` has no effect, as in Z
 Activation checkpointing works unchanged: recomputation runs after the output-gradient hook.
 The root unit is gathered where a call first enters a module holding its parameters (a chunk of
 an interleaved pipeline without them never gathers it) and stays unsharded from forward to
-backward (no second all-gather for it), except its
-embedding tables: their weights are laid out last in the root's buffer and, with
-`reshard_after_forward`, cut off its storage after forward, since an embedding's backward needs
-only the indices. That is done only when the forward saved nothing for backward in that range
-(checked on every forward by a saved-tensor hook, e.g. a tied head keeps it); it frees the
-embedding during the loss and the head's backward, where the logits peak.
+backward (no second all-gather for it), except its embedding tables: their weights are laid out
+last in the root's buffer and, with `reshard_after_forward`, cut off its storage after forward,
+since an embedding's backward needs only the indices. That is done only when the forward saved
+nothing for backward in that range (checked on every forward by a saved-tensor hook, e.g. a tied
+head keeps it); it frees the embedding during the loss and the head's backward, where the logits
+peak.
 """
 
 from __future__ import annotations
@@ -108,10 +108,9 @@ class FullyShardedDataParallel:
         self._forward_next = {id(a): b for a, b in zip(self.units, self.units[1:])}
         hooks_order = [*([self.root] if self.root else []), *reversed(blocks)]
         self._backward_next = {id(a): b for a, b in zip(hooks_order, hooks_order[1:])}
-        # A block's backward is followed by that of the block that ran before it in the same call
-        # of the module: under an interleaved pipeline a rank's blocks form chunks, each called
-        # alone, and the next block in the rank's order may be another chunk's, whose backward
-        # is not next (prefetched, it stayed gathered to the end of the backward for nothing).
+        # A block's backward is followed by that of the block that ran before it in the same call:
+        # under an interleaved pipeline a rank's blocks form chunks, each called alone, and the
+        # rank's next block may be another chunk's (prefetched, it stayed gathered for nothing).
         # The root's prefetch (the rank's top block) is for a backward the root starts (the
         # head's); where a block's has started first, its hook comes after the blocks' own.
         self._forward_prev: dict[int, Unit | None] = {}  # learned from the first forward
@@ -130,9 +129,7 @@ class FullyShardedDataParallel:
             owner.register_forward_pre_hook(lambda m, a: None if self._root_in_call else self._pre_forward(self.root))
         self._backward_index = {id(u): i for i, u in enumerate(backward_order)}
         self.tracker = ReadyTracker([[(s.name, s.param) for s in u.slots] for u in backward_order], self._launch)
-        # Each backward reduces the units of the module calls whose output gradient it reached
-        # (`_end_call`), not all of the rank's: see `_end_call`.
-        self.tracker.reset(order=[])
+        self.tracker.reset(order=[])  # a backward reduces the units its calls ran: `_end_call`
         self._pending: list = []
         self._end_queued = False
         self.unused_parameters: list[str] = []
