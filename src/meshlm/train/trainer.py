@@ -100,7 +100,6 @@ class Trainer:
         self.last_checkpoint = None  # the SaveReport of the newest checkpoint this run wrote
         self.can_checkpoint = True  # False: the nodes do not share run.dir (train/rank0_node.py)
         self.pending_save = None  # a checkpoint.state.BackgroundSave in flight (checkpoint.async_save)
-        self.step_row = None  # the metrics row of the step being saved, while a save writes it
 
     # ------------------------------------------------------------------ setup
 
@@ -325,9 +324,8 @@ class Trainer:
                 last = stop is not None or self.step == cfg.steps
                 # The row is logged after the save (it holds checkpoint_s): the checkpoint carries it
                 # too, so a kill in between loses no step of metrics.jsonl (MetricsWriter.resume_at).
-                self.step_row = dict(row)
-                row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last).seconds
-                self.step_row = None
+                row["checkpoint_s"] = self.save_checkpoint(background=self.cfg.checkpoint.async_save and not last,
+                                                           metrics_row=dict(row)).seconds
             self.log.info("step %d loss %.5f grad_norm %.4f", self.step, result.loss, result.grad_norm)
             self.metrics.log_step(row)
             rows.append(row)
@@ -351,15 +349,17 @@ class Trainer:
         interval = self.cfg.checkpoint.interval
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
-    def save_checkpoint(self, background: bool = False):
+    def save_checkpoint(self, background: bool = False, metrics_row: dict | None = None):
         """Every rank writes its shard of the state at the current step (collective); see
-        train/checkpoint/. Returns the SaveReport (path, seconds training was blocked, bytes)."""
+        train/checkpoint/. `metrics_row`: the step's row, which the checkpoint carries. Returns the
+        SaveReport (path, seconds training was blocked, bytes)."""
         from meshlm.train.checkpoint import save_checkpoint
         from meshlm.train.metrics import format_bytes
 
         self.progress.at("checkpoint")
         with self.stop_signals.saving() if self.stop_signals is not None else contextlib.nullcontext():
-            report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep, background=background)
+            report = save_checkpoint(self, self.run_dir / "checkpoints", self.cfg.checkpoint.keep,
+                                     background=background, metrics_row=metrics_row)
         self.last_checkpoint = report
         if background:
             self.metrics.print(f"checkpoint {report.path.name}: {format_bytes(report.bytes)} (rank 0) copied in "

@@ -74,7 +74,7 @@ def layout_of(cfg, world_size: int) -> dict:
             "dtype": cfg.train.dtype}
 
 
-def _meta(trainer, shapes) -> dict:
+def _meta(trainer, shapes, metrics_row: dict | None) -> dict:
     from meshlm.train.metrics import jsonable
     from meshlm.train.optim import lr_at
 
@@ -86,7 +86,7 @@ def _meta(trainer, shapes) -> dict:
             "shapes": {k: list(v) for k, v in shapes.items()}, "meshlm_version": meshlm.__version__,
             "torch_version": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # the step's metrics.jsonl row (without checkpoint_s, not known yet): logged after the save
-            **({"metrics_row": jsonable(trainer.step_row)} if getattr(trainer, "step_row", None) else {})}
+            **({"metrics_row": jsonable(metrics_row)} if metrics_row else {})}
 
 
 def _rank_payload(trainer, snapshot: bool) -> tuple[dict[str, torch.Tensor], list]:
@@ -111,11 +111,11 @@ def _rank_payload(trainer, snapshot: bool) -> tuple[dict[str, torch.Tensor], lis
     return tensors, index
 
 
-def _rank0_files(trainer) -> dict[str, bytes]:
+def _rank0_files(trainer, metrics_row: dict | None) -> dict[str, bytes]:
     """The files only rank 0 writes, as bytes taken now (the step they describe)."""
     shapes = canonical_shapes(trainer.cfg.model)
     tokenizer = Path(trainer.data.tokenizer_path)
-    return {META: json.dumps(_meta(trainer, shapes), indent=1).encode(),
+    return {META: json.dumps(_meta(trainer, shapes, metrics_row), indent=1).encode(),
             "config.toml": to_toml(trainer.cfg).encode(), "tokenizer.json": tokenizer.read_bytes(),
             # a pretrained tokenizer's end-of-text choice (tokenizer.run_end_token), where the cache has one
             **({TOKENIZER_CONFIG: (tokenizer.parent / TOKENIZER_CONFIG).read_bytes()}
@@ -186,7 +186,7 @@ class BackgroundSave:
 
 
 def save_checkpoint(trainer, root: Path, keep: int, background: bool = False,
-                    timeout_s: float = 1800.0) -> SaveReport:
+                    timeout_s: float = 1800.0, metrics_row: dict | None = None) -> SaveReport:
     """Write the trainer's state at its current step into `root/step_NNNNNNN/` (collective).
     Every rank writes its own file; rank 0 writes the rest and, last, the manifest.
 
@@ -205,7 +205,7 @@ def save_checkpoint(trainer, root: Path, keep: int, background: bool = False,
     comm.barrier()
     tensors, index = _rank_payload(trainer, snapshot=background)
     metadata = {"pieces": json.dumps(index), "rank": str(ctx.rank), "coords": json.dumps(ctx.coords)}
-    extra = _rank0_files(trainer) if ctx.rank == 0 else {}
+    extra = _rank0_files(trainer, metrics_row) if ctx.rank == 0 else {}
 
     def work() -> int:
         _write_rank(tmp, ctx.rank, tensors, metadata, extra)
