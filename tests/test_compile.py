@@ -153,6 +153,7 @@ def test_compiled_loss_chunks_equal_the_eager_loss(monkeypatch, backend, dtype, 
     torch._dynamo.reset()
     vocab, n = 24, 29
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 8 * 4 * vocab)  # 8 rows a chunk: 3 full, then 5
+    monkeypatch.setattr(loss_module, "FUSED_CHUNK_BYTES", 8 * 4 * vocab)  # the compiled kernels' too
     gen = torch.Generator().manual_seed(5)
     base = (torch.randn(n, vocab, generator=gen) * 4).to(dtype)
     targets = torch.randint(0, vocab, (n,), generator=gen)
@@ -178,6 +179,29 @@ def test_compiled_loss_chunks_equal_the_eager_loss(monkeypatch, backend, dtype, 
         assert (grad.float() - eager_grad.float()).abs().max() <= tolerance
         assert grad[[1, 9, 28]].abs().max() == 0
         assert consume or torch.equal(after, base)
+
+
+def test_compiled_loss_kernels_take_larger_chunks_except_where_the_eager_ones_run():
+    """Compiled chunk maths make no fp32 chunk, so they take MIN_CHUNKS chunks of a GPU-sized
+    micro-batch instead of 32 MiB fp32 ones (each chunk costs host time); under a dispatch mode
+    (the memory tracker) the eager kernels run in their place, with the eager chunks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshlm.model import loss as loss_module
+    from meshlm.parallel.compile import compile_loss_kernels
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    kernels = compile_loss_kernels("aot_eager")
+    vocab, tokens = 32000, 8192  # the 125m preset's micro-batch of 8 x 1,024
+    eager_rows = loss_module.CHUNK_BYTES // (4 * vocab)
+    assert loss_module.EAGER_KERNELS.chunk_rows(vocab, tokens) == eager_rows == 262
+    assert kernels.chunk_rows(vocab, tokens) == tokens // loss_module.MIN_CHUNKS
+    assert kernels.chunk_rows(vocab, 16 * tokens) == loss_module.FUSED_CHUNK_BYTES // (4 * vocab)
+    with Passthrough():
+        assert kernels.chunk_rows(vocab, tokens) == eager_rows
 
 
 def test_a_measured_step_measures_the_eager_runs_memory(corpus, tmp_path):

@@ -284,3 +284,42 @@ def test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimiz
         reference.step()
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0], ids=["clip-binds", "clip-idle"])
+def test_fused_segment_adamw_folds_the_clip_into_the_kernel_as_clip_grad_norm_then_fused_adamw(monkeypatch, max_norm):
+    """On CUDA (the fused kernel; fused AdamW runs on CPU too, so the flags are forced here) the
+    clip is the kernel's grad_scale, not a pass of its own: the weights after each step are
+    clip_grad_norm_ then torch's fused AdamW's within a rounding, exactly so where the clip is idle."""
+    from meshlm.parallel import mixed_precision
+    from meshlm.parallel.flat_buffer import FlatLayout, Segment
+    from meshlm.parallel.mixed_precision import MasterSegment, SegmentAdamW, clip_scale, decays
+
+    monkeypatch.setattr(mixed_precision, "adamw_implementation", lambda on_cuda: {"foreach": False, "fused": True})
+    train = TrainConfig(lr=0.1, weight_decay=0.5)
+    ours, theirs = _OneOfEach(), _OneOfEach()
+    theirs.load_state_dict(ours.state_dict())
+    layout = FlatLayout(list(ours.named_parameters()), 2**20, align=1, itemsize=4)
+    optim = SegmentAdamW([MasterSegment(Segment(s, s.start, s.end), s.param.data.view(-1),
+                                        lambda s=s: s.param.grad.view(-1)) for s in layout.slots], train)
+    assert optim.optimizer.defaults["fused"] is True
+    params = list(theirs.parameters())
+    reference = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": 0.5},
+                                   {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
+                                  lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
+    x = torch.randn(4)
+    for _ in range(3):
+        for model in (ours, theirs):
+            model.zero_grad()
+            model(x).backward()
+        norm = torch.stack([p.grad.norm() for p in ours.parameters()]).norm()
+        assert (norm > max_norm) == (max_norm < 1)  # the clip binds in one case only
+        optim.step(train.lr, clip_scale(norm, max_norm))
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm)
+        reference.step()
+        assert optim.optimizer.grad_scale is None  # no later step inherits this one's scale
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        if max_norm > 1:
+            assert torch.equal(a, b)
+        else:
+            assert torch.allclose(a, b, rtol=1e-6, atol=0)

@@ -36,11 +36,11 @@ TARGET_RATIO_VS_COMPILE = 1.0
 TARGET_MFU = {("1b", 2048): 0.45}
 CPU_SMOKE = dict(presets="debug", seq="64", micro_batch="2", steps=2, warmup=1)
 GPU_DEFAULTS = dict(presets="125m,1b", seq="2048", micro_batch=None, steps=10, warmup=3)
-# Without --micro-batch: what fits both models side by side on an 80 GB GPU at seq 2048 (the 1b
-# pair holds ~40 GB of weights, gradients and AdamW state before activations). The 1b shape,
-# micro-batch 4, keeps both resident too and may not fit beside the reference's activations: a
-# mode that runs out of memory is reported in `failed` and the others still run.
-MICRO_BATCH = {"125m": 8, "1b": 2}
+# Without --micro-batch: the shapes. Both models stay resident side by side; the 1b pair at
+# seq 2048 and micro-batch 4 peaked at 37.1 / 47.0 GB eager and 30.6 / 35.5 GB compiled on an 80 GB
+# H100 (RESULTS.md, session 21). A mode that runs out of memory is reported in `failed` and the
+# others still run.
+MICRO_BATCH = {"125m": 8, "1b": 4}
 
 
 def _autocast(device):

@@ -34,11 +34,20 @@ IGNORE_INDEX = -100  # a target that is not a token to predict (padding, masked 
 # tp bench's 4 MiB logits). Rows are independent, so the result is the same at any chunking.
 CHUNK_BYTES = 32 * 2**20
 MIN_CHUNKS = 4
+# Compiled (fused) chunk maths make no fp32 chunk: its only transient is backward's gradient chunk
+# in the logits' dtype, so its chunks may be far larger, and must be on a GPU: every chunk costs a
+# few launches and two compiled calls of host time (~0.1 ms each), and 32 MiB chunks made the 125m
+# preset's loss (8,192 x 32,000 logits) 32 chunks and 8.8 ms on an H100, host-bound; 512 MiB
+# (MIN_CHUNKS chunks there) 2.3 ms (benchmarks/gpu_profile.py, RESULTS.md "Session 21").
+FUSED_CHUNK_BYTES = 512 * 2**20
 
 
-def chunk_rows(vocab_size: int, tokens: int) -> int:
-    """Tokens per chunk of the loss (analysis/memory.py counts the same fp32 chunk)."""
-    return max(1, min(CHUNK_BYTES // (4 * vocab_size), -(-tokens // MIN_CHUNKS)))
+def chunk_rows(vocab_size: int, tokens: int, fused: bool = False) -> int:
+    """Tokens per chunk of the loss: rows of CHUNK_BYTES of fp32 logits (FUSED_CHUNK_BYTES for
+    compiled chunk maths), at most a MIN_CHUNKS-th of them (analysis/memory.py counts the same
+    fp32 chunk)."""
+    per_chunk = (FUSED_CHUNK_BYTES if fused else CHUNK_BYTES) // (4 * vocab_size)
+    return max(1, min(per_chunk, -(-tokens // MIN_CHUNKS)))
 
 
 def exp_sum_and_target(chunk: torch.Tensor, local: torch.Tensor, row_max: torch.Tensor):
@@ -72,10 +81,12 @@ def softmax_minus_target_fused(chunk: torch.Tensor, local: torch.Tensor, lse: to
 class ChunkKernels(NamedTuple):
     """The per-chunk maths of ChunkedCrossEntropy: `exp_sum_and_target(chunk, local, row_max)` and
     `grad(chunk, local, lse, scale, mine, in_place)`, whose result backward copies into the
-    gradient unless it already is the gradient's storage."""
+    gradient unless it already is the gradient's storage; `chunk_rows(vocab, tokens)`, the rows
+    of a chunk they are given."""
 
     exp_sum_and_target: Callable
     grad: Callable
+    chunk_rows: Callable[[int, int], int] = chunk_rows
 
 
 EAGER_KERNELS = ChunkKernels(exp_sum_and_target, softmax_minus_target)
@@ -96,7 +107,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, consume, offset=0, all_reduce=None, kernels=None):
         kernels = kernels or EAGER_KERNELS
-        rows, n = chunk_rows(logits.shape[1], logits.shape[0]), logits.shape[0]
+        rows, n = kernels.chunk_rows(logits.shape[1], logits.shape[0]), logits.shape[0]
         local = targets - offset
         mine = (local >= 0) & (local < logits.shape[1]) & (targets != IGNORE_INDEX)
         local = local.masked_fill_(~mine, 0)
@@ -123,7 +134,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, local, ignored, lse = ctx.saved_tensors
         grad = logits if ctx.consume else torch.empty_like(logits)
-        rows = chunk_rows(logits.shape[1], logits.shape[0])
+        rows = ctx.kernels.chunk_rows(logits.shape[1], logits.shape[0])
         scale = grad_loss.float().masked_fill(ignored, 0.0)
         mine = local >= 0
         for lo in range(0, logits.shape[0], rows):

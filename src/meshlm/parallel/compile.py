@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshlm.model.loss import ChunkKernels, exp_sum_and_target, softmax_minus_target, softmax_minus_target_fused
+from meshlm.model.loss import ChunkKernels, chunk_rows, exp_sum_and_target, softmax_minus_target, softmax_minus_target_fused
 from meshlm.parallel.recompute import is_recomputed
 
 try:
@@ -64,16 +64,21 @@ def compile_loss_kernels(backend: str) -> ChunkKernels:
     returned and copied into the logits' storage by the caller, never written into an input inside
     the compiled code: with the logits consumed, that input and the destination would be one
     storage, and torch 2.13's compile cache (AOTAutograd's "synthetic base" for aliased inputs) was
-    seen to hand such a graph to a later call whose inputs do not alias: wrong values, no error."""
+    seen to hand such a graph to a later call whose inputs do not alias: wrong values, no error.
+    With no fp32 chunk to hold, the chunks are larger (loss.FUSED_CHUNK_BYTES): fewer calls."""
     _check(backend)
 
     def grad_in_logits_dtype(chunk, local, lse, scale, mine, in_place):
         return softmax_minus_target_fused(chunk, local, lse, scale, mine)
 
+    def rows(vocab: int, tokens: int) -> int:
+        # the eager kernels' chunks where they run instead (below): they do make fp32 chunks
+        return chunk_rows(vocab, tokens, fused=not any_torch_dispatch_mode_on_stack())
+
     # Where the compiled code cannot run (the memory tracker's steps), the eager kernel, not the
     # fused one run eagerly: that one allocates [rows, V] masks, and the step would measure them.
     return ChunkKernels(_compiled(exp_sum_and_target, backend),
-                        _compiled(grad_in_logits_dtype, backend, eager=softmax_minus_target))
+                        _compiled(grad_in_logits_dtype, backend, eager=softmax_minus_target), rows)
 
 
 def _check(backend: str) -> None:

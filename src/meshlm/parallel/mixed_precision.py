@@ -115,11 +115,21 @@ class SegmentAdamW:
         grads = upcast_runs([s.grad for s in self.segments], [s.master.dtype for s in self.segments])
         for s, g in zip(self.segments, grads):
             s.master.grad = g
-        if scale is not None:  # in place, one multi-tensor op: clip_grad_norm_'s arithmetic; grads are zeroed next
+        fused = bool(self.optimizer.defaults.get("fused"))
+        if scale is not None and fused:
+            # The fused kernel divides each gradient by `grad_scale` as it reads it (GradScaler's
+            # unscaling): the clip costs no pass over the gradients of its own (3.7 ms a step for
+            # the 1b preset's 4.9 GB of fp32 gradients on an H100). g / (1 / s) is within a
+            # rounding of g * s; every rank and the one-process reference take this same path.
+            self.optimizer.grad_scale = scale.reciprocal()
+        elif scale is not None:  # in place, one multi-tensor op: clip_grad_norm_'s arithmetic; grads are zeroed next
             torch._foreach_mul_(grads, scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.grad_scale = None
         for s in self.segments:
             s.master.grad = None
 
