@@ -1,12 +1,13 @@
 """Where one GPU step of `meshlm bench gpu` goes: per phase, the host's time to issue it and the
 time until the device has finished it, then the kernels that take the device's time.
 
-    PYTHONPATH=src python3 benchmarks/gpu_profile.py 125m 1024 8 compile [CHUNK_MIB]
+    PYTHONPATH=src python3 benchmarks/gpu_profile.py 125m 1024 8 compile [CHUNK_MIB|0 [KEY=VALUE...]]
 
 Reduces: guessing why a step is slower than the reference (host-bound launches, or one phase's
 kernels). Costs: a minute of the GPU per shape (the compiled shape compiles first).
 A phase whose issue time is close to its finished time is host-bound: the device waited on Python.
-CHUNK_MIB overrides the loss's chunk size (model/loss.py CHUNK_BYTES) to see what it costs.
+CHUNK_MIB (0: the defaults) overrides the loss's chunk sizes (model/loss.py); KEY=VALUE
+are config overrides (a tiny shape on a CPU makes every step host-bound, as a small one is on a GPU).
 """
 
 from __future__ import annotations
@@ -108,16 +109,17 @@ def kernels(name, step, batch, top=18):
         print(f"  {e.self_device_time_total / 2e3:8.2f} ms {e.count / 2:6.0f}x  {e.key[:110]}")
 
 
-def main(preset, seq, mb, mode, chunk_mib=None):
+def main(preset, seq, mb, mode, chunk_mib=None, *overrides):
     seq, mb = int(seq), int(mb)
+    chunk_mib = int(chunk_mib or 0)
     if chunk_mib:
         import meshlm.model.loss as loss
 
-        loss.CHUNK_BYTES = int(chunk_mib) * 2**20
+        loss.CHUNK_BYTES = loss.FUSED_CHUNK_BYTES = chunk_mib * 2**20
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     overrides = [f"model.preset={preset}", f"train.seq_len={seq}", f"train.micro_batch_size={mb}",
-                 f"train.global_batch_size={mb}", "train.dtype=bfloat16", f"parallel.backend={'nccl' if torch.cuda.is_available() else 'gloo'}"]
-    if mode == "compile":
-        overrides += ["train.compile=true"]
+                 f"train.global_batch_size={mb}", "train.dtype=bfloat16", f"parallel.backend={backend}",
+                 *overrides, *(["train.compile=true"] if mode == "compile" else [])]
     cfg = resolve(load_config(None, overrides))
     meshlm = MeshlmEngine(cfg, ParallelContext.from_config(cfg.parallel))
     reference = TransformersEngine(meshlm, "inductor" if mode == "compile" else None)

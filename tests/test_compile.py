@@ -92,7 +92,6 @@ def test_compiled_blocks_train_as_eager_on_one_process(corpus, tmp_path, eager):
     # memory tracker (a dispatch mode, under which dynamo does not run) measures steps 1 and 2.
     losses, norms, grads, weights, graphs, calls, _ = train(corpus, tmp_path, 1, *COMPILED, "train.recompute=selective",
                                                             "train.track_memory=true")
-    ref_losses, ref_norms, ref_grads, ref_weights = eager[:4]
     assert graphs["forward"] == 1  # one graph for the 4 blocks: no recompilation per block
     micro_batches = 4  # global batch 8 / micro-batch 2
     compiled_micro_batches = (STEPS - FIRST_COMPILED_STEP + 1) * micro_batches
@@ -103,6 +102,37 @@ def test_compiled_blocks_train_as_eager_on_one_process(corpus, tmp_path, eager):
 
     assert graphs["exp_sum_and_target"] == graphs["grad_in_logits_dtype"] == 1
     assert calls["exp_sum_and_target"] == calls["grad_in_logits_dtype"] == compiled_micro_batches * MIN_CHUNKS
+    assert_trains_as_eager((losses, norms, grads, weights), eager)
+
+
+def test_one_process_compiles_the_whole_forward_as_one_graph(corpus, tmp_path, eager):
+    # Nothing runs between the blocks on one process without recompute (compiles_whole_model): the
+    # model's forward is one graph, called once per micro-batch instead of once per block.
+    losses, norms, grads, weights, graphs, calls, _ = train(corpus, tmp_path, 1, *COMPILED)
+    assert graphs["forward"] == 1
+    assert calls["forward"] == STEPS * 4  # 4 micro-batches a step, no memory tracker: every step compiled
+    assert_trains_as_eager((losses, norms, grads, weights), eager)
+
+
+def test_the_whole_forward_is_compiled_only_where_nothing_runs_between_the_blocks():
+    from meshlm.config import load_config, resolve
+    from meshlm.parallel.compile import compiles_whole_model
+
+    def whole(*overrides, world=1):
+        return compiles_whole_model(resolve(load_config(None, ["model.preset=debug", *overrides]), world))
+
+    assert whole() and whole("parallel.zero=1")
+    assert not whole("train.recompute=selective") and not whole("train.recompute=full")
+    assert not whole("parallel.zero=3")  # FSDP's gathers around each block, even at one rank
+    assert not whole(world=2) and not whole("parallel.tp=2", world=2) and not whole("parallel.pp=2", world=2)
+    assert not whole("parallel.cp=2", world=2)
+
+
+def assert_trains_as_eager(compiled, eager):
+    """(losses, gradient norms, step FIRST_COMPILED_STEP's gradients, final weights) against the
+    eager run's: gradients to 1e-6, losses and weights after four AdamW steps to 1e-5."""
+    losses, norms, grads, weights = compiled
+    ref_losses, ref_norms, ref_grads, ref_weights = eager[:4]
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         assert torch.allclose(grads[name], ref, atol=1e-6, rtol=0), name

@@ -4,7 +4,8 @@ sharded (on the meta device first), so a rank never holds more than its own part
 Costs: nothing at run time; at start-up, each rank's draw of its slices' random streams.
 
     Llama on meta -> TP/SP (slices) -> CP (ring attention, global RoPE positions)
-      -> recompute (checkpoint wrappers) -> compile (each block's forward, train.compile)
+      -> recompute (checkpoint wrappers) -> compile (each block's forward, train.compile; one
+         process: the model's)
       -> PP split (this rank's stage) -> materialise
       -> DP engine: DDP / ZeRO-1/2 (materialised parameters) or FSDP (draws only its shard)
 
@@ -25,7 +26,7 @@ from meshlm.comm import Comm
 from meshlm.config import Config
 from meshlm.model import Llama
 from meshlm.model.loss import token_loss_sum
-from meshlm.parallel.compile import apply_compile, compile_loss_kernels
+from meshlm.parallel.compile import apply_compile, compile_loss_kernels, compiles_whole_model
 from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data_parallel import DataParallel, build_data_parallel
 from meshlm.parallel.recompute import apply_activation_checkpointing
@@ -54,7 +55,7 @@ def build_local_model(cfg: Config, comm: Comm) -> LocalModel:
     cp = apply_context_parallel(model, comm)
     apply_activation_checkpointing(model, cfg.train.recompute)
     if cfg.train.compile:  # lazily: dynamo traces each block at its first call, on the real parameters
-        apply_compile(model, cfg.train.compile_backend)
+        apply_compile(model, cfg.train.compile_backend, whole_model=compiles_whole_model(cfg))
     if cfg.parallel.pp > 1:
         from meshlm.parallel.pipeline import split_for_rank
 

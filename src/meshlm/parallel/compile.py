@@ -9,7 +9,9 @@ of torchtitan: TP -> AC -> compile -> FSDP). So parameter names, checkpoints and
 the engines register (FSDP's gathers, DDP's and ZeRO's gradient hooks) stay outside the compiled
 code: `Module.__call__` runs them eagerly around the compiled forward. Dynamo traces a block as a
 function of its module (parameters are graph inputs, not constants), so all blocks share one set
-of graphs instead of compiling n_layers of them.
+of graphs instead of compiling n_layers of them. On one process with nothing between the blocks
+(`compiles_whole_model`) the model's own forward is compiled instead: one graph, one call's host
+overhead per micro-batch.
 
 fullgraph=False: what dynamo cannot trace runs eagerly between compiled pieces (a graph break).
 Inside a block those are meshlm's collectives (`Comm`'s ops are never traced, so the flight
@@ -46,12 +48,28 @@ except ImportError:  # an older torch (GPU machines may lag the pinned CPU one):
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
-    """Compile the forward of every block in `model.layers`. Under train.recompute=full the
+def compiles_whole_model(cfg) -> bool:
+    """Whether train.compile makes the whole forward one graph rather than one per block: on one
+    process, where nothing runs between the blocks (no collective, no FSDP gather, no checkpoint,
+    no stage boundary) and no reduction could overlap backward anyway. There each compiled call's
+    host overhead (dynamo's guards, AOTAutograd's wrappers) is paid once, not per block and pass:
+    a small model's step is host-bound on a GPU (RESULTS.md "gpu", 125m); a host-bound toy step
+    on a CPU went 17.1 -> 14.7 ms (docs/3d-parallelism.md). Costs: the first compile traces every
+    block, and hooks added to a block later are not seen (dynamo does not guard on them)."""
+    p = cfg.parallel
+    return p.dp * p.tp * p.pp * p.cp == 1 and p.zero != 3 and cfg.train.recompute == "none"
+
+
+def apply_compile(model: nn.Module, backend: str, whole_model: bool = False) -> None:
+    """Compile the forward of every block in `model.layers` (or, `whole_model`, the model's own
+    forward, the blocks inlined: see compiles_whole_model). Under train.recompute=full the
     checkpoint stays outside, eager, and recomputes the compiled forward: compiled around it
     instead, a graph break inside the checkpoint (any collective under TP or CP) would leave dynamo
     nothing to compile in the whole block."""
     _check(backend)
+    if whole_model:
+        model.forward = _compiled(model.forward, backend)
+        return
     for block in model.layers:
         name = "forward_without_recompute" if is_recomputed(block) else "forward"
         setattr(block, name, _compiled(getattr(block, name), backend))
