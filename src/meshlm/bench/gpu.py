@@ -5,7 +5,8 @@ the library everyone fine-tunes with. Costs: a few minutes of one GPU (the 1b pr
 
 meshlm: the trainer's own path: parallel/apply.py's build_local_model + build_engine on one rank
 with train.dtype=bfloat16 (fp32 weights, bf16 autocast, the DDP engine's SegmentAdamW, fused on
-CUDA; train.compile for the compiled rows), stepped as Trainer.forward_backward and
+CUDA; train.compile for the compiled rows: on one GPU the model's whole forward as one graph,
+parallel/compile.py), stepped as Trainer.forward_backward and
 optimizer_step do for one micro-batch: forward under autocast, summed token loss / tokens,
 backward, clip to train.grad_clip, AdamW, zero the gradients.
 reference: LlamaForCausalLM of the same shape and the same weights (sdpa attention), fp32 weights
