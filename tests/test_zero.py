@@ -262,17 +262,26 @@ class _OneOfEach(torch.nn.Module):
         return (self.w.sum(0) @ x + self.b).square().sum()
 
 
-def test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimizer():
-    from meshlm.parallel.mixed_precision import MasterSegment, SegmentAdamW, decays
+def _segment_adamw_and_twin(train):
+    """(a _OneOfEach stepped by SegmentAdamW over one segment per parameter, its twin with the same
+    weights for a reference optimizer, that SegmentAdamW)."""
     from meshlm.parallel.flat_buffer import FlatLayout, Segment
-    from meshlm.train.optim import build_optimizer
+    from meshlm.parallel.mixed_precision import MasterSegment, SegmentAdamW
 
-    train = TrainConfig(lr=0.1, weight_decay=0.5)
     ours, theirs = _OneOfEach(), _OneOfEach()
     theirs.load_state_dict(ours.state_dict())
     layout = FlatLayout(list(ours.named_parameters()), 2**20, align=1, itemsize=4)
     optim = SegmentAdamW([MasterSegment(Segment(s, s.start, s.end), s.param.data.view(-1),
                                         lambda s=s: s.param.grad.view(-1)) for s in layout.slots], train)
+    return ours, theirs, optim
+
+
+def test_segment_adamw_equals_torch_adamw_with_the_decay_groups_of_build_optimizer():
+    from meshlm.parallel.mixed_precision import decays
+    from meshlm.train.optim import build_optimizer
+
+    train = TrainConfig(lr=0.1, weight_decay=0.5)
+    ours, theirs, optim = _segment_adamw_and_twin(train)
     reference = build_optimizer(theirs, train)
     assert [decays(p) for p in ours.parameters()] == [True, False]
     x = torch.randn(4)
@@ -292,16 +301,11 @@ def test_fused_segment_adamw_folds_the_clip_into_the_kernel_as_clip_grad_norm_th
     clip is the kernel's grad_scale, not a pass of its own: the weights after each step are
     clip_grad_norm_ then torch's fused AdamW's within a rounding, exactly so where the clip is idle."""
     from meshlm.parallel import mixed_precision
-    from meshlm.parallel.flat_buffer import FlatLayout, Segment
-    from meshlm.parallel.mixed_precision import MasterSegment, SegmentAdamW, clip_scale, decays
+    from meshlm.parallel.mixed_precision import clip_scale, decays
 
     monkeypatch.setattr(mixed_precision, "adamw_implementation", lambda on_cuda: {"foreach": False, "fused": True})
     train = TrainConfig(lr=0.1, weight_decay=0.5)
-    ours, theirs = _OneOfEach(), _OneOfEach()
-    theirs.load_state_dict(ours.state_dict())
-    layout = FlatLayout(list(ours.named_parameters()), 2**20, align=1, itemsize=4)
-    optim = SegmentAdamW([MasterSegment(Segment(s, s.start, s.end), s.param.data.view(-1),
-                                        lambda s=s: s.param.grad.view(-1)) for s in layout.slots], train)
+    ours, theirs, optim = _segment_adamw_and_twin(train)
     assert optim.optimizer.defaults["fused"] is True
     params = list(theirs.parameters())
     reference = torch.optim.AdamW([{"params": [p for p in params if decays(p)], "weight_decay": 0.5},
