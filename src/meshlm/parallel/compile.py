@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from meshlm.model.loss import ChunkKernels, chunk_rows, exp_sum_and_target, softmax_minus_target, softmax_minus_target_fused
+from meshlm.model.loss import (ChunkKernels, chunk_rows, exp_sum_and_target, softmax_minus_target,
+                               softmax_minus_target_fused)
 from meshlm.parallel.recompute import is_recomputed
 
 try:
