@@ -3,18 +3,20 @@
 # session has 30 minutes of device time in all), from the repository root. Parts:
 #
 #   check     (~3 min)  the machine, versions, CUDA-only tests, compile tests
-#   train     (~3 min)  meshlm train on the GPU: 125m, bf16, compiled
+#   train     (~2 min)  meshlm train on the GPU: 125m, bf16, compiled
 #   gpu-1b    (~3 min)  meshlm bench gpu, 1b at seq 2048, micro-batch 4 (the MFU target)
-#   gpu-125m  (~4 min)  meshlm bench gpu, 125m, eager + compile
-#   scaling   (~6 min)  meshlm bench scaling --nproc 1,2,4,8 (CPU ranks on the 16 cores, no GPU)
+#   gpu-125m  (~3 min)  meshlm bench gpu, 125m at micro-batches 8 and 16, eager + compile
+#   scaling   (~3 min)  meshlm bench scaling --nproc 1,2,4,8 (CPU ranks on the 16 cores, no GPU)
 #
-# A machine stays warm only ~30 s after a call, and each fresh start costs 1-2 minutes of the 30:
-# make as few calls as fit, in this order, then `give_back`:
+# A machine stays warm only ~30 s after a call (issue the next call at once), and each fresh start
+# costs 1-2 minutes of the 30: make as few calls as fit, then `give_back`. Session 21 measured
+# everything here once (RESULTS.md); what the next session needs, in this order:
 #
-#   run: bash benchmarks/device_session.sh check train   (~6 min)
-#   run: bash benchmarks/device_session.sh gpu-1b        (~3 min)
-#   run: bash benchmarks/device_session.sh gpu-125m      (~4 min)
-#   run: bash benchmarks/device_session.sh scaling       (~6 min, only if the budget still holds it)
+#   run: bash benchmarks/device_session.sh check gpu-1b gpu-125m   (~9 min: the CUDA tests'
+#        outcomes, and both targets on the landed code, whole-forward compile included)
+#   run: PYTHONPATH=src python3 benchmarks/gpu_profile.py 125m 1024 8 compile   (if 125m still
+#        misses: where its host time goes)
+#   run: bash benchmarks/device_session.sh train scaling                    (~5 min, if time is left)
 #
 # Each writes its JSON (and the scaling plot) under $OUT, which comes back; bench gpu also prints
 # every row on stderr as it lands, so a call cut short still shows what it measured. The machine's
