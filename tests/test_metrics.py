@@ -136,3 +136,18 @@ def test_tensorboard_gets_every_number_but_the_step_at_its_step(tmp_path, monkey
     assert written == [("dir", str(tmp_path / "tensorboard")), ("train/loss", 1.0, 3), ("train/lr", 1e-3, 3),
                        ("train/grad_norm", 1.0, 3), ("train/tokens_per_s", 1234.5, 3), ("train/step_time_s", 1.0, 3),
                        ("train/tflops", 1.0, 3), ("train/ranks", 2, 3), "closed"]
+
+
+def test_on_a_terminal_the_shown_steps_and_notes_are_lines_of_the_writers_stream(tmp_path, capsys):
+    """tqdm.write prints to sys.stdout unless told the file: the shown steps and print()'s notes
+    went there, not to the stream the writer and its bar were given."""
+    stream = _Terminal()
+    writer = MetricsWriter(tmp_path, total_steps=3, log_interval=2, active=True, stream=stream)
+    for row in (_row(1), _row(2, eval_loss=2.5), _row(3)):
+        writer.log_step(row)
+    writer.print("a note")
+    writer.close()
+    lines = stream.getvalue().replace("\r", "\n").splitlines()
+    assert format_step(_row(2, eval_loss=2.5)) in lines and format_step(_row(3)) in lines and "a note" in lines
+    assert format_step(_row(1)) not in lines  # the bar stands for the steps not shown
+    assert capsys.readouterr().out == ""

@@ -154,7 +154,7 @@ class MetricsWriter:
             postfix = f"loss {row['loss']:.3f}" + (f" eval {row['eval_loss']:.3f}" if row.get("eval_loss") else "")
             self._bar.set_postfix_str(postfix + f" {row['tokens_per_s']:,.0f} tok/s")
             if self._shown(row):
-                self._bar.write(format_step(row))
+                self._bar.write(format_step(row), file=self.stream)  # tqdm.write's default: sys.stdout
         elif self._shown(row) or row["step"] == 1:
             print(format_step(row), file=self.stream, flush=True)
 
@@ -167,7 +167,7 @@ class MetricsWriter:
         if not self.active:
             return
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
 
