@@ -90,7 +90,8 @@ def test_every_unreadable_line_is_dropped_and_the_rows_after_it_kept(tmp_path):
     """Zeros where a power loss left blocks unwritten need not be the file's end: each unreadable
     line is dropped and counted, the rows after it kept."""
     good = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join([good[0], "\0" * 10, good[1], '{"step": 3, "lo', *good[2:]]) + "\n")
+    lines = [good[0], "\0" * 10, good[1], '{"step": 3, "lo', *good[2:]]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     writer = MetricsWriter(tmp_path, total_steps=8, log_interval=1, active=True, stream=io.StringIO())
     writer.resume_at(4)
     writer.close()

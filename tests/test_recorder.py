@@ -94,7 +94,8 @@ def test_fingerprints_are_the_crc_of_every_op_and_of_the_pipeline_axis_collectiv
     collectives on the pp axis alone (every stage makes them alike), not its sends and receives."""
     rec = FlightRecorder()
     ops = [("all_reduce", "dp", None), ("all_reduce", "pp", None), ("send", "pp", "send->1"),
-           ("recv", "pp", "recv<-1"), ("broadcast", "tp", None), ("all_gather", "pp", None), ("all_reduce", "world", None)]
+           ("recv", "pp", "recv<-1"), ("broadcast", "tp", None), ("all_gather", "pp", None),
+           ("all_reduce", "world", None)]
     for i, (op, axis, channel) in enumerate(ops):
         rec.finish(rec.start(op, axis, 2, torch.bfloat16, 10 + i, 20 + 2 * i, 0, 0, channel=channel))
     expected = pipeline = 0

@@ -278,4 +278,24 @@ MODULES = {
         "tests/test_doctor.py::test_nccl_asked_for_without_cuda_is_one_line_and_exit_2",
         "tests/test_doctor.py::test_gloo_asked_for_on_a_gpu_machine_runs_on_the_cpu",
         "tests/test_config.py::test_an_explicit_pipeline_split_must_cover_every_layer_once"]),
+    # The step's line and byte counts against hand-written strings, nulls for NaN, the terminal's
+    # bar and TensorBoard through stand-ins (test_metrics.py); metrics.jsonl's resume (rows kept,
+    # cut, taken back from .old, the checkpoint's row), the rank log on a full disk, which steps
+    # the console shows.
+    "metrics": ("src/meshlm/train/metrics.py", [
+        "tests/test_metrics.py", "tests/test_checkpoint_resume.py", "tests/test_train_utils.py",
+        "-k", "test_metrics or metrics or full_disk or rank_log or console"]),
+    # The flight recorder: on a clock the test moves, the seconds blocked (the step's exposed
+    # communication), times, bandwidths and the table, the fingerprints against zlib, wall-clock
+    # stamps (test_recorder.py); the bounded ring and its totals, GPU stalls against overlapped
+    # work, exact bytes per op, P2P records, fingerprints of real ranks, a dropped send's record.
+    "recorder": ("src/meshlm/comm/recorder.py", [
+        "tests/test_recorder.py",
+        *(f"tests/test_comm.py::test_{name}" for name in (
+            "recorder_is_bounded_but_the_summary_counts_everything",
+            "gpu_stalls_count_what_the_stream_waited_not_what_overlapped",
+            "groups_of_one_rank_communicate_nothing_and_record_nothing",
+            "traced_collectives_record_exact_bytes", "point_to_point_records_and_merged_handles_complete")),
+        "tests/test_debug.py::test_traced_collectives_fingerprint_op_shape_and_dtype_and_count_blocked_time",
+        "tests/test_pipeline_engine.py::test_a_send_dropped_as_finished_is_waited_so_its_record_closes"]),
 }
