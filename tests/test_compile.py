@@ -212,9 +212,10 @@ def test_compiled_loss_chunks_equal_the_eager_loss(monkeypatch, backend, dtype, 
 
 
 def test_compiled_loss_kernels_take_larger_chunks_except_where_the_eager_ones_run():
-    """Compiled chunk maths make no fp32 chunk, so they take MIN_CHUNKS chunks of a GPU-sized
-    micro-batch instead of 32 MiB fp32 ones (each chunk costs host time); under a dispatch mode
-    (the memory tracker) the eager kernels run in their place, with the eager chunks."""
+    """Inductor's fused chunk maths make no fp32 chunk, so they take MIN_CHUNKS chunks of a
+    GPU-sized micro-batch instead of 32 MiB fp32 ones (each chunk costs host time); under a
+    dispatch mode (the memory tracker) the eager kernels run in their place, with the eager
+    chunks, and backends that do not fuse keep the eager chunks too."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshlm.model import loss as loss_module
@@ -224,7 +225,7 @@ def test_compiled_loss_kernels_take_larger_chunks_except_where_the_eager_ones_ru
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    kernels = compile_loss_kernels("aot_eager")
+    kernels = compile_loss_kernels("inductor")  # compiles nothing until called
     vocab, tokens = 32000, 8192  # the 125m preset's micro-batch of 8 x 1,024
     eager_rows = loss_module.CHUNK_BYTES // (4 * vocab)
     assert loss_module.EAGER_KERNELS.chunk_rows(vocab, tokens) == eager_rows == 262
@@ -232,6 +233,11 @@ def test_compiled_loss_kernels_take_larger_chunks_except_where_the_eager_ones_ru
     assert kernels.chunk_rows(vocab, 16 * tokens) == loss_module.FUSED_CHUNK_BYTES // (4 * vocab)
     with Passthrough():
         assert kernels.chunk_rows(vocab, tokens) == eager_rows
+    with torch._dynamo.config.patch(disable=True):  # TORCHDYNAMO_DISABLE=1: nothing is fused
+        assert kernels.chunk_rows(vocab, tokens) == eager_rows
+    # Backends that do not fuse run the chunk maths as written, fp32 intermediates and all.
+    for backend in ("aot_eager", "eager"):
+        assert compile_loss_kernels(backend).chunk_rows(vocab, tokens) == eager_rows, backend
 
 
 def test_a_measured_step_measures_the_eager_runs_memory(corpus, tmp_path):

@@ -150,7 +150,7 @@ def _mode_pair(preset: str, seq: int, mb: int, mode: str, opts, device):
     overrides = [f"model.preset={preset}", f"train.seq_len={seq}", f"train.micro_batch_size={mb}",
                  f"train.global_batch_size={mb}", "train.dtype=bfloat16",
                  f"parallel.backend={'nccl' if device.type == 'cuda' else 'gloo'}"]
-    if compiled:  # meshlm compiles each block (train.compile, parallel/compile.py), transformers the model
+    if compiled:  # train.compile: on one GPU meshlm's whole forward too (parallel/compile.py), as transformers
         overrides += ["train.compile=true", f"train.compile_backend={opts.compile_backend}"]
     cfg = resolve(load_config(None, overrides))
     ctx = ParallelContext.from_config(cfg.parallel)

@@ -1,7 +1,8 @@
-"""Per-block compilation (train.compile): reduces each block's time by fusing its elementwise work
-(norms, RoPE, SwiGLU) into fewer kernels; costs compile time at start-up and at each recompile.
+"""Compilation (train.compile): reduces each block's time by fusing its elementwise work (norms,
+RoPE, SwiGLU) into fewer kernels; costs compile time at start-up and at each recompile.
 The loss's chunk maths is compiled too (`compile_loss_kernels`, as torchtitan's compile.components
-= ["model", "loss"]).
+= ["model", "loss"]). Per block wherever the layout puts anything between blocks; on one process,
+the whole forward (`compiles_whole_model`, below).
 
 Each transformer block's forward is replaced on the instance by a `torch.compile`d one, as
 recompute does, after TP/SP, CP and recompute and before the PP split and the DP engine (the order
@@ -84,15 +85,19 @@ def compile_loss_kernels(backend: str) -> ChunkKernels:
     the compiled code: with the logits consumed, that input and the destination would be one
     storage, and torch 2.13's compile cache (AOTAutograd's "synthetic base" for aliased inputs) was
     seen to hand such a graph to a later call whose inputs do not alias: wrong values, no error.
-    With no fp32 chunk to hold, the chunks are larger (loss.FUSED_CHUNK_BYTES): fewer calls."""
+    With no fp32 chunk to hold, inductor's chunks are larger (loss.FUSED_CHUNK_BYTES): fewer calls."""
     _check(backend)
 
     def grad_in_logits_dtype(chunk, local, lse, scale, mine, in_place):
         return softmax_minus_target_fused(chunk, local, lse, scale, mine)
 
     def rows(vocab: int, tokens: int) -> int:
-        # the eager kernels' chunks where they run instead (below): they do make fp32 chunks
-        return chunk_rows(vocab, tokens, fused=not any_torch_dispatch_mode_on_stack())
+        # Only inductor fuses the chunk maths; aot_eager and eager run it as written, with fp32
+        # intermediates and [rows, V] masks (a 512 MiB chunk then held ~750 MiB at the 125m
+        # shape). Where the eager kernels run instead (below, or dynamo disabled), their chunks.
+        fused = (backend == "inductor" and not torch._dynamo.config.disable
+                 and not any_torch_dispatch_mode_on_stack())
+        return chunk_rows(vocab, tokens, fused=fused)
 
     # Where the compiled code cannot run (the memory tracker's steps), the eager kernel, not the
     # fused one run eagerly: that one allocates [rows, V] masks, and the step would measure them.

@@ -121,7 +121,7 @@ class SegmentAdamW:
             # unscaling): the clip costs no pass over the gradients of its own (3.7 ms a step for
             # the 1b preset's 4.9 GB of fp32 gradients on an H100). g / (1 / s) is within a
             # rounding of g * s; every rank and the one-process reference take this same path.
-            self.optimizer.grad_scale = scale.reciprocal()
+            self.optimizer.grad_scale = scale.float().reciprocal()  # the kernel takes fp32 only
         elif scale is not None:  # in place, one multi-tensor op: clip_grad_norm_'s arithmetic; grads are zeroed next
             torch._foreach_mul_(grads, scale)
         for group in self.optimizer.param_groups:
