@@ -155,7 +155,8 @@ MODULES = {
     # Shard files: identical tokens and document offsets for any worker count and shard size, resume
     # after SIGKILL, torn markers, durable markers, `data inspect`'s longest documents and counts.
     "shards": ("src/meshlm/data/shards.py", [
-        "tests/test_data_prepare.py", "tests/test_data.py::test_prepare_data_round_trips_and_is_cached",
+        "tests/test_data_prepare.py", "tests/test_data_prepare_resume.py", "tests/test_data_prepare_bad_input.py",
+        "tests/test_data.py::test_prepare_data_round_trips_and_is_cached",
         "tests/test_data_blend.py::test_inspect_reports_documents_tokens_longest_and_epochs_with_a_warning",
         "-k", "not peak_memory and not bench_data"]),
     # The token cache's door and the loader: batches pure in (seed, step) and tiled over dp, every
