@@ -5,10 +5,10 @@
 MODULES = {
     # Worlds 2 to 5 of the ring test (it runs 2 to 8 in the suite): 8 forked ranks on 2 cores per
     # mutant would double the module's time and kill nothing the smaller worlds leave alive.
-    "ring": ("src/meshlm/comm/ring.py", [*(f"tests/test_comm.py::test_ring_algorithms_equal_the_library_collectives[{n}]"
-                                           for n in (2, 3, 4, 5)),
-                                         "tests/test_comm.py::test_per_rank_traffic_equals_the_formulas_exactly",
-                                         "tests/test_comm.py::test_bus_factors_and_steps_are_the_ring_formulas"]),
+    "ring": ("src/meshlm/comm/ring.py", [
+        *(f"tests/test_comm_ring.py::test_ring_algorithms_equal_the_library_collectives[{n}]" for n in (2, 3, 4, 5)),
+        "tests/test_comm_cost.py::test_per_rank_traffic_equals_the_formulas_exactly",
+        "tests/test_comm_cost.py::test_bus_factors_and_steps_are_the_ring_formulas"]),
     "vocab_parallel": ("src/meshlm/parallel/vocab_parallel.py",
                        ["tests/test_vocab_parallel.py", "tests/test_tensor_parallel.py", "-k",
                         "vocab or boundary or logits_loss_and_every_gradient"]),
@@ -104,6 +104,7 @@ MODULES = {
     # The shared-memory collectives: against gloo at n = 2-4, every op and dtype, the window's
     # sizing and fallbacks.
     "shared_memory": ("src/meshlm/comm/shared_memory.py", ["tests/test_shared_memory.py", "tests/test_comm.py",
+                                                          "tests/test_comm_cost.py", "tests/test_comm_ring.py",
                                                           "tests/test_shared_memory_window.py", "-k", "not bench"]),
     # The trainer's pipeline seam: every schedule against one process (losses, gradients, tied
     # embeddings across stages under every ZeRO stage, evaluation, gathered weights), the step
@@ -139,8 +140,8 @@ MODULES = {
         "tests/test_plan_messages.py::test_every_message_of_a_micro_batch_is_the_models[tp2-sp-pp2-autocast-full]"]),
     # The one door of every collective: bytes each rank sends and receives, groups of one, dtype
     # checks, handles and the GPU stall accounting, the window and ring paths it picks on gloo.
-    "traced": ("src/meshlm/comm/traced.py", ["tests/test_comm.py", "tests/test_comm_bench.py",
-                                            "tests/test_shared_memory.py"]),
+    "traced": ("src/meshlm/comm/traced.py", ["tests/test_comm.py", "tests/test_comm_cost.py", "tests/test_comm_ring.py",
+                                            "tests/test_comm_bench.py", "tests/test_shared_memory.py"]),
     # The layout planner: which layouts it considers, what it prunes and why, the pick it prints.
     "plan": ("src/meshlm/analysis/plan.py", ["tests/test_plan.py"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
@@ -172,7 +173,8 @@ MODULES = {
     # The alpha-beta cost model: steps, bus factors and per-rank bytes against the ring formulas
     # (and the ring's own counted bytes), tiers, the fit, profiles; `bench comm` and doctor against
     # it; the planner, its main user.
-    "cost": ("src/meshlm/comm/cost.py", ["tests/test_comm.py", "tests/test_comm_bench.py", "tests/test_doctor.py",
+    "cost": ("src/meshlm/comm/cost.py", ["tests/test_comm_cost.py", "tests/test_comm.py", "tests/test_comm_ring.py",
+                                         "tests/test_comm_bench.py", "tests/test_doctor.py",
                                          "tests/test_plan.py", "-k", "not tracing_overhead"]),
     # Checkpoint pieces: every flat range's rectangles against the elements, a shard's offset and
     # padding, the shape check; the stored tensors against the gathered weights (dp, tp, pp, tp4's
