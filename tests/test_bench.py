@@ -1,6 +1,6 @@
 """`meshlm bench tp`, `pp`, `cp` and `gpu` (its CPU smoke) print DESIGN.md's `--json` rows (tiny
 runs; the numbers themselves live in benchmarks/RESULTS.md, not in tests). `bench dp` is in
-test_ddp.py, `bench scaling` in test_bench_scaling.py."""
+test_ddp_bench.py, `bench scaling` in test_bench_scaling.py."""
 
 import json
 

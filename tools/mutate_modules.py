@@ -34,16 +34,17 @@ MODULES = {
                                           "-k", "chunked_loss or logits_and_loss or vocab or loss"]),
     # The segment AdamW, the gradient upcast and clipping under every data-parallel engine.
     "mixed_precision": ("src/meshlm/parallel/mixed_precision.py", [
-        "tests/test_zero.py", "tests/test_grad_norm.py", "tests/test_ddp.py",
+        "tests/test_zero.py", "tests/test_grad_norm.py", "tests/test_ddp.py", "tests/test_ddp_bf16.py",
         "-k", "not bench and not overlap and not bytes_on_the_wire and not tracker and not flat_layout"]),
     # DDP: against torch's DDP at worlds 1 and 2, overlap, no_sync, bytes on the wire, unused
     # parameters, bf16; the trainer's accumulation at one rank (autograd's own gradients).
     "ddp": ("src/meshlm/parallel/ddp.py", [
-        "tests/test_ddp.py", "tests/test_trainer.py::test_accumulation_equals_a_plain_pytorch_loop", "-k", "not bench"]),
+        "tests/test_ddp.py", "tests/test_ddp_bf16.py",
+        "tests/test_trainer.py::test_accumulation_equals_a_plain_pytorch_loop", "-k", "not bench"]),
     # ZeRO-1/2 on the DDP reducer: every stage against one process and torch's DDP, the bytes each
     # stage holds, and its peak memory against the formulas.
     "zero": ("src/meshlm/parallel/zero.py", [
-        "tests/test_zero.py", "tests/test_ddp.py", "tests/test_memory.py",
+        "tests/test_zero.py", "tests/test_ddp.py", "tests/test_ddp_bf16.py", "tests/test_memory.py",
         "-k", "not bench and (zero or stage or every or equals or accumulation or bf16 or state_tensors)"]),
     # FSDP/ZeRO-3: against torch's fully_shard (with and without reshard_after_forward), one process
     # (worlds 2 and 4, accumulation, bf16, recompute, any module), bytes on the wire, model state
