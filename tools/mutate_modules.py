@@ -90,9 +90,10 @@ MODULES = {
         "tests/test_checkpoint_cli.py"]),
     # The planner's step-time model: FLOPs at a stated efficiency, each axis's communication in the
     # alpha-beta model, the simulated bubble; against published setups and hand-derived costs.
-    "steptime": ("src/meshlm/analysis/steptime.py", ["tests/test_plan.py"]),
+    "steptime": ("src/meshlm/analysis/steptime.py", ["tests/test_plan.py", "tests/test_plan_steptime.py"]),
     # The messages it prices: each rank's flight recorder in real runs, op by op and byte for byte.
-    "messages": ("src/meshlm/analysis/messages.py", ["tests/test_plan_messages.py", "tests/test_plan.py"]),
+    "messages": ("src/meshlm/analysis/messages.py", ["tests/test_plan_messages.py", "tests/test_plan.py",
+                                                     "tests/test_plan_steptime.py"]),
     # Which checkpoint a run continues from: auto, never, a path; the launcher's checks before
     # any rank starts, the ranks' shared verification, a restart always resuming.
     "resume": ("src/meshlm/train/checkpoint/resume.py", [
@@ -129,7 +130,7 @@ MODULES = {
     # step metrics it predicts from measured op costs.
     "pipeline_sim": ("src/meshlm/analysis/pipeline_sim.py", [
         "tests/test_pipeline_sim.py", "tests/test_pipeline_runner.py", "tests/test_pipeline_schedules.py",
-        "tests/test_plan.py::test_long_pipelines_extend_the_simulation_by_steady_state_cycles"]),
+        "tests/test_plan_steptime.py::test_long_pipelines_extend_the_simulation_by_steady_state_cycles"]),
     # Activation checkpointing changes no value, only what is stored: the peak memory per config
     # (full and selective against the model), the compiled blocks that must still recompute, and
     # the gradients that must stay equal.
@@ -144,7 +145,7 @@ MODULES = {
     "traced": ("src/meshlm/comm/traced.py", ["tests/test_comm.py", "tests/test_comm_cost.py", "tests/test_comm_ring.py",
                                             "tests/test_comm_bench.py", "tests/test_shared_memory.py"]),
     # The layout planner: which layouts it considers, what it prunes and why, the pick it prints.
-    "plan": ("src/meshlm/analysis/plan.py", ["tests/test_plan.py"]),
+    "plan": ("src/meshlm/analysis/plan.py", ["tests/test_plan.py", "tests/test_plan_steptime.py"]),
     # The futex barrier on its own (threads, two processes, dead and absent peers), and the
     # shared-memory collectives that stand on it.
     "shm_barrier": ("src/meshlm/comm/shm_barrier.py", [
@@ -176,7 +177,8 @@ MODULES = {
     # it; the planner, its main user.
     "cost": ("src/meshlm/comm/cost.py", ["tests/test_comm_cost.py", "tests/test_comm.py", "tests/test_comm_ring.py",
                                          "tests/test_comm_bench.py", "tests/test_doctor.py",
-                                         "tests/test_plan.py", "-k", "not tracing_overhead"]),
+                                         "tests/test_plan.py", "tests/test_plan_steptime.py",
+                                         "-k", "not tracing_overhead"]),
     # Checkpoint pieces: every flat range's rectangles against the elements, a shard's offset and
     # padding, the shape check; the stored tensors against the gathered weights (dp, tp, pp, tp4's
     # replicated kv heads) and reshards between layouts, which place every piece of every rank.

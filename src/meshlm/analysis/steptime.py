@@ -51,8 +51,9 @@ COMPUTE_BOUND_SHARE = 0.10
 # meshlm's DDP/ZeRO bucket size (parallel/ddp.py): the last bucket cannot hide under backward.
 BUCKET_BYTES = 25 * 2**20
 # The sim runs at most max(this many per pp rank, SIM_MICROBATCHES_MIN) micro-batches; beyond,
-# each extra one adds one steady-state cycle (1F1B's steady state is periodic; tests/test_plan.py
-# checks it); short pipelines need more rounds before warm-up effects have died out.
+# each extra one adds one steady-state cycle (1F1B's steady state is periodic;
+# tests/test_plan_steptime.py checks it); short pipelines need more rounds before warm-up effects
+# have died out.
 SIM_MICROBATCHES_PER_STAGE = 3
 SIM_MICROBATCHES_MIN = 32
 RECOMPUTE_MODES = ("none", "selective", "full")
