@@ -169,7 +169,7 @@ MODULES = {
     # nothing, a missing p2p half, a GPU hang from how far each rank queued, deadlocks and cycles,
     # ranks of other nodes (the tests that train a real run to get their dumps are left out).
     "hang": ("src/meshlm/debug/hang.py", [
-        "tests/test_debug.py", "tests/test_debug_verdicts.py",
+        "tests/test_debug.py", "tests/test_debug_checks.py", "tests/test_debug_verdicts.py",
         "-k", "not restarted and not skip_drops and not stop_raises and not unequal_evaluation and not oom and "
               "not waits_for_its_peers and not barrier_timeout_is_dumped and not barrier_gives_up"]),
     # The alpha-beta cost model: steps, bus factors and per-rank bytes against the ring formulas
