@@ -302,6 +302,6 @@ MODULES = {
             "gpu_stalls_count_what_the_stream_waited_not_what_overlapped",
             "groups_of_one_rank_communicate_nothing_and_record_nothing",
             "traced_collectives_record_exact_bytes", "point_to_point_records_and_merged_handles_complete")),
-        "tests/test_debug.py::test_traced_collectives_fingerprint_op_shape_and_dtype_and_count_blocked_time",
+        "tests/test_debug_checks.py::test_traced_collectives_fingerprint_op_shape_and_dtype_and_count_blocked_time",
         "tests/test_pipeline_engine.py::test_a_send_dropped_as_finished_is_waited_so_its_record_closes"]),
 }
