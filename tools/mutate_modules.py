@@ -74,7 +74,8 @@ MODULES = {
     # sequence-parallel boundaries) and against torch.distributed.pipelining; deferred weight
     # gradients and where they run; the engine's contract (no_sync, batching, timings, ordering).
     "engine": ("src/meshlm/parallel/pipeline/engine.py", [
-        "tests/test_pipeline.py", "tests/test_deferred_wgrad.py", "tests/test_pipeline_engine.py",
+        "tests/test_pipeline.py", "tests/test_pipeline_zero.py", "tests/test_deferred_wgrad.py",
+        "tests/test_pipeline_engine.py",
         "tests/test_pipeline_sim.py", "tests/test_composition.py::test_dp_tp_sp_pp_on_eight_ranks_equals_one_process[1]",
         "-k", "not loss_curve"]),
     # Checkpoint files: atomic directories, manifests and checksums, rotation, the rectangle
@@ -112,7 +113,7 @@ MODULES = {
     # embeddings across stages under every ZeRO stage, evaluation, gathered weights), the step
     # metrics against their definitions, a pipeline checkpoint's stored weights.
     "runner": ("src/meshlm/parallel/pipeline/runner.py", [
-        "tests/test_pipeline.py", "tests/test_pipeline_runner.py",
+        "tests/test_pipeline.py", "tests/test_pipeline_zero.py", "tests/test_pipeline_runner.py",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights", "-k", "not loss_curve"]),
     # The memory model (its walk, and its terms): every window of the step against its measured
     # live bytes, the measured per-rank peak (every ZeRO stage, the pipeline's micro-batches in
@@ -194,7 +195,7 @@ MODULES = {
     # input gradient first; every pipeline schedule against one process, with owed gradients in
     # the data-parallel reduction.
     "deferred_wgrad": ("src/meshlm/parallel/pipeline/deferred_wgrad.py", [
-        "tests/test_deferred_wgrad.py", "tests/test_pipeline.py",
+        "tests/test_deferred_wgrad.py", "tests/test_pipeline.py", "tests/test_pipeline_zero.py",
         "tests/test_compile.py::test_compiled_blocks_train_as_one_eager_process_on_layouts[pp2]", "-k", "not loss_curve"]),
     # FSDP units: which modules the policies make units (by class, by size bottom-up, a tied weight
     # left to the common ancestor), each unit's shard, gathers, trims and frees: against torch's
@@ -267,10 +268,10 @@ MODULES = {
         "tests/test_sharded_init.py::test_sharded_build_equals_the_single_process_init[tp2-pp2-tied]",
         "tests/test_sharded_init.py::test_sharded_build_equals_the_single_process_init[pp2-interleaved-zero1]",
         "tests/test_pipeline.py::test_pipeline_equals_single_process[4-interleaved-2-2]",
-        "tests/test_pipeline.py::test_tied_embeddings_stay_in_sync_across_first_and_last_stage",
-        "tests/test_pipeline.py::test_tied_embeddings_across_stages_with_zero[1]",
-        "tests/test_pipeline.py::test_a_stage_without_parameters_does_not_break_data_parallelism",
-        "tests/test_pipeline.py::test_zero3_interleaved_with_a_chunk_of_no_layers_equals_single_process[2,0,3,3]",
+        "tests/test_pipeline_zero.py::test_tied_embeddings_stay_in_sync_across_first_and_last_stage",
+        "tests/test_pipeline_zero.py::test_tied_embeddings_across_stages_with_zero[1]",
+        "tests/test_pipeline_zero.py::test_a_stage_without_parameters_does_not_break_data_parallelism",
+        "tests/test_pipeline_zero.py::test_zero3_interleaved_with_a_chunk_of_no_layers_equals_single_process[2,0,3,3]",
         "tests/test_pipeline.py::test_weight_gradients_owed_at_the_last_backward_are_in_the_data_parallel_reduction",
         "tests/test_checkpoint.py::test_stored_tensors_equal_the_gathered_weights[tp2-pp2]",
         "tests/test_grad_norm.py::test_grad_norm_and_clipping_equal_one_process[4]"]),
