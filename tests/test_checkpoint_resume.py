@@ -203,7 +203,7 @@ def test_a_metrics_history_an_older_meshlm_left_in_metrics_jsonl_old_is_taken_ba
     assert not (tmp_path / "metrics.jsonl.old").exists()
 
 
-@pytest.mark.parametrize("tail", ['{"step": 5, "loss": 1.0, "l', "\0" * 40], ids=["cut-off", "zeros"])
+@pytest.mark.parametrize("tail", ['{"step": 5, "loss": 1.0, "l', "\0" * 40, "125"], ids=["cut-off", "zeros", "parses"])
 def test_a_metrics_row_cut_off_by_a_crash_does_not_stop_the_resume(tmp_path, tail):
     """A full disk or a power loss while a row was written leaves metrics.jsonl ending in part of a
     line (or, after a power loss on ext4, in zeros): every resume then failed at setup with

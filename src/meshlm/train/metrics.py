@@ -115,7 +115,10 @@ class MetricsWriter:
             if path.exists():
                 for line in path.read_text(errors="replace").splitlines():
                     try:
-                        row_step = json.loads(line).get("step", 0) if line.strip() else None
+                        parsed = json.loads(line) if line.strip() else None
+                        if parsed is not None and not isinstance(parsed, dict):
+                            raise ValueError("not a row")  # what is left of a row may parse, e.g. "125"
+                        row_step = parsed.get("step", 0) if parsed is not None else None
                     except ValueError:  # a row cut off by a crash (a full disk; zeros after a power loss)
                         cut += 1
                         continue
