@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.backends.registry import lookup_backend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.testing import run_ranks
 
@@ -53,6 +54,13 @@ class CountingBackend:
             return run
 
         return counting
+
+
+class Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing, as the memory tracker's is to the compiled code."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def train(corpus, run_dir, world_size, *extra):
@@ -216,14 +224,8 @@ def test_compiled_loss_kernels_take_larger_chunks_except_where_the_eager_ones_ru
     GPU-sized micro-batch instead of 32 MiB fp32 ones (each chunk costs host time); under a
     dispatch mode (the memory tracker) the eager kernels run in their place, with the eager
     chunks, and backends that do not fuse keep the eager chunks too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from meshlm.model import loss as loss_module
     from meshlm.parallel.compile import compile_loss_kernels
-
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     kernels = compile_loss_kernels("inductor")  # compiles nothing until called
     vocab, tokens = 32000, 8192  # the 125m preset's micro-batch of 8 x 1,024
@@ -253,3 +255,25 @@ def test_a_measured_step_measures_the_eager_runs_memory(corpus, tmp_path):
         peaks[compiled] = [trainer.train_step().mem_peak_bytes for _ in range(3)]
     torch._dynamo.reset()
     assert peaks[True] == peaks[False] and None not in peaks[True]
+
+
+def test_an_older_torchs_dispatch_mode_check_sees_a_mode_exactly_when_one_is_on(monkeypatch):
+    """Where torch lacks `any_torch_dispatch_mode_on_stack` (a GPU machine's older torch),
+    compile.py counts the dispatch stack itself: that check decides whether the compiled code runs
+    or the eager one (under the memory tracker). compile.py loaded afresh without the function."""
+    import importlib.util
+
+    import torch.utils._python_dispatch as dispatch
+
+    monkeypatch.delattr(dispatch, "any_torch_dispatch_mode_on_stack")
+    spec = importlib.util.find_spec("meshlm.parallel.compile")
+    older = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(older)
+    check = older.any_torch_dispatch_mode_on_stack
+    assert check.__module__ == "meshlm.parallel.compile"  # the fallback, not torch's
+    assert check() is False
+    with Passthrough():
+        assert check() is True
+        with Passthrough():
+            assert check() is True
+    assert check() is False
