@@ -58,6 +58,25 @@ def test_unequal_evaluation_work_is_not_a_desync(corpus, tmp_path):
     assert len(set(losses)) == 1
 
 
+def _desync_on_the_pipeline_axis(corpus, run_dir):
+    trainer = build_trainer(small_cfg(corpus, run_dir, 2, "parallel.pp=2", "debug.fault=desync",
+                                      "debug.fault_rank=1", "debug.fault_step=2", steps=3))
+    try:
+        for _ in range(3):
+            trainer.train_step()
+    except DesyncError as e:
+        return trainer.step, str(e)
+    return trainer.step, None
+
+
+def test_a_desync_on_the_pipeline_axis_raises_at_its_step_on_every_rank(corpus, tmp_path):
+    """Stage 1's first all-reduce of step 2 as another dtype (same bytes: gloo completes it): the
+    stages' pipeline-axis fingerprints differ, and both stages raise after that step, naming it."""
+    for done, message in run_ranks(_desync_on_the_pipeline_axis, 2, corpus, tmp_path):
+        assert done == 1 and message is not None, message
+        assert message.startswith("desync at step 2: rank"), message
+
+
 def test_fingerprints_disagree_only_within_a_pipeline_stage():
     stages = Layout(dp=2, pp=2).groups(("tp", "cp", "dp"))  # [(0, 1), (2, 3)]
     assert odd_ranks([5.0, 5.0, 7.0, 7.0], stages) is None  # stages differ from each other: fine

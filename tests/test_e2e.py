@@ -26,8 +26,10 @@ def test_single_process_run_writes_the_run_directory_contract(single_cli_run):
     assert (run_dir / "config.toml").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert (run_dir / "logs" / "rank0.log").exists()
     assert "--- sample" in proc.stdout
-    # 4 steps under the default 30 warmup steps: the schedule never reaches its peak, and says so
-    assert "warning: train.warmup_steps=30 >= train.steps=4: the learning rate never leaves its warmup" in proc.stdout
+    # 4 steps under the default 30 warmup steps: the schedule never reaches its peak, and says so,
+    # with the rate of the last update (step 3 of 0-3: 4/30 of train.lr=1e-3)
+    assert (f"warning: train.warmup_steps=30 >= train.steps=4: the learning rate never leaves its warmup (it ends "
+            f"at {1e-3 * 4 / 30:.3g}, not at train.lr, and never decays to min_lr)") in proc.stdout
     # the memory model's prediction before step 1, the measured peak beside it at the end
     assert [line.split(" peak")[0] for line in proc.stdout.splitlines() if line.startswith("memory: ")] == \
         ["memory: predicted", "memory: measured"]

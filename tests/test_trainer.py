@@ -269,3 +269,35 @@ def test_a_signal_during_a_periodic_save_lets_it_finish_then_stops_at_the_next_b
     assert gave_up == []
     assert [r["step"] for r in rows] == [1, 2] and trainer.stopped_by == "SIGTERM"
     assert trainer.last_checkpoint.path.name == "step_0000002"
+
+
+def test_a_signal_after_steps_without_one_still_starts_the_stop_deadline(corpus, tmp_path, monkeypatch):
+    """A SIGTERM in step 3 whose boundary then comes three times checkpoint.stop_timeout_s late (a
+    rank stuck in a collective with a dead peer): the deadline fires (recorded, not made). The
+    steps before it ended without a stop and must not have told the signals that the boundary was
+    reached: that disarms the deadline for the rest of the run."""
+    import os
+    import signal
+    import time
+
+    from meshlm.train.preemption import StopSignals
+    from meshlm.train.trainer import Trainer
+
+    gave_up = []
+    monkeypatch.setattr(StopSignals, "_give_up", lambda self: gave_up.append(self.received))
+    real_fb = Trainer.forward_backward
+
+    def forward_backward(self, *args, **kwargs):
+        result = real_fb(self, *args, **kwargs)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.5)
+        return result
+
+    monkeypatch.setattr(Trainer, "forward_backward", forward_backward)
+    trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.stop_timeout_s=0.5"))
+    with StopSignals(trainer.cfg.checkpoint.stop_timeout_s) as signals:
+        trainer.stop_signals = signals
+        rows = trainer.fit()
+    assert gave_up == [signal.SIGTERM]
+    assert [r["step"] for r in rows] == [1, 2, 3] and trainer.stopped_by == "SIGTERM"
