@@ -134,6 +134,9 @@ def test_the_whole_forward_is_compiled_only_where_nothing_runs_between_the_block
     assert not whole("parallel.zero=3")  # FSDP's gathers around each block, even at one rank
     assert not whole(world=2) and not whole("parallel.tp=2", world=2) and not whole("parallel.pp=2", world=2)
     assert not whole("parallel.cp=2", world=2)
+    # two axes of 2, whose quotient is 1: the world, not a ratio of its axes, must be one
+    assert not whole("parallel.tp=2", world=4) and not whole("parallel.cp=2", world=4)  # dp 2 beside them
+    assert not whole("parallel.tp=2", "parallel.pp=2", world=4) and not whole("parallel.pp=2", "parallel.cp=2", world=4)
 
 
 def assert_trains_as_eager(compiled, eager):
