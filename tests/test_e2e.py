@@ -26,6 +26,7 @@ def test_single_process_run_writes_the_run_directory_contract(single_cli_run):
     assert (run_dir / "config.toml").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert (run_dir / "logs" / "rank0.log").exists()
     assert "--- sample" in proc.stdout
+    assert "communication on rank" not in proc.stdout  # one process: no collective to summarise
     # 4 steps under the default 30 warmup steps: the schedule never reaches its peak, and says so,
     # with the rate of the last update (step 3 of 0-3: 4/30 of train.lr=1e-3)
     assert (f"warning: train.warmup_steps=30 >= train.steps=4: the learning rate never leaves its warmup (it ends "

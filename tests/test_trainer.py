@@ -121,6 +121,7 @@ def test_eval_loss_is_the_same_for_every_micro_batch_size(corpus, tmp_path):
         losses.append(trainer.evaluate())
     assert all(torch.equal(w, windows[0]) for w in windows)
     assert losses == pytest.approx([losses[0]] * 3, rel=1e-6)
+    assert trainer.eval_losses().keys() == {"eval_loss"}  # one corpus: no per-corpus loss beside it
 
 
 def test_eval_loss_is_the_same_for_every_dp_layout(corpus, tmp_path):
@@ -301,3 +302,28 @@ def test_a_signal_after_steps_without_one_still_starts_the_stop_deadline(corpus,
         rows = trainer.fit()
     assert gave_up == [signal.SIGTERM]
     assert [r["step"] for r in rows] == [1, 2, 3] and trainer.stopped_by == "SIGTERM"
+
+
+def test_checkpoints_come_every_interval_and_after_the_last_step(corpus, tmp_path):
+    rows = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.interval=3")).fit()  # 4 steps
+    assert [r["step"] for r in rows if "checkpoint_s" in r] == [3, 4]
+
+
+def _fit_with_a_slow_rank(corpus, run_dir):
+    cfg = make_cfg(corpus, run_dir, 2, "debug.fault=slow", "debug.fault_rank=1", "debug.fault_slow_s=0.3",
+                   "checkpoint.interval=0")
+    return build_trainer(cfg).fit()
+
+
+def test_every_step_names_the_slow_rank_and_the_communication_it_exposes(corpus, tmp_path):
+    """Rank 1 sleeps 0.3 s at the start of every step (debug.fault=slow): it is the slowest, working
+    that much longer than rank 0, which waits for it in the step's first collective. That wait is
+    exposed communication (the ranks' mean), and its share is of the step's time."""
+    for rows in run_ranks(_fit_with_a_slow_rank, 2, corpus, tmp_path, timeout=120):
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for row in rows:
+            assert row["slowest_rank"] == 1 and row["fastest_rank"] == 0, row
+            assert 0 < row["fastest_rank_s"] < row["slowest_rank_s"] - 0.15, row
+            assert row["slowest_rank_s"] < 2 * row["step_time_s"], row  # a time within the step
+            assert 0.1 < row["comm_exposed_s"] < row["step_time_s"], row
+            assert row["comm_exposed_share"] == pytest.approx(row["comm_exposed_s"] / row["step_time_s"])
