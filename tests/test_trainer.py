@@ -310,20 +310,42 @@ def test_checkpoints_come_every_interval_and_after_the_last_step(corpus, tmp_pat
 
 
 def _fit_with_a_slow_rank(corpus, run_dir):
+    """fit()'s rows, each step's wall time around train_step, and the blocked time each step
+    passed to the all-gather of the rank fields."""
+    import time
+
     cfg = make_cfg(corpus, run_dir, 2, "debug.fault=slow", "debug.fault_rank=1", "debug.fault_slow_s=0.3",
                    "checkpoint.interval=0")
-    return build_trainer(cfg).fit()
+    trainer = build_trainer(cfg)
+    walls, blocked = [], []
+    step, gather = trainer.train_step, trainer._gather_over_ranks
+
+    def timed_step():
+        t0 = time.perf_counter()
+        result = step()
+        walls.append(time.perf_counter() - t0)
+        return result
+
+    def recorded_gather(peak, stop, busy_s, blocked_s):
+        blocked.append(blocked_s)
+        return gather(peak, stop, busy_s, blocked_s)
+
+    trainer.train_step, trainer._gather_over_ranks = timed_step, recorded_gather
+    return trainer.fit(), walls, blocked
 
 
 def test_every_step_names_the_slow_rank_and_the_communication_it_exposes(corpus, tmp_path):
     """Rank 1 sleeps 0.3 s at the start of every step (debug.fault=slow): it is the slowest, working
     that much longer than rank 0, which waits for it in the step's first collective. That wait is
-    exposed communication (the ranks' mean), and its share is of the step's time."""
-    for rows in run_ranks(_fit_with_a_slow_rank, 2, corpus, tmp_path, timeout=120):
-        assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        for row in rows:
-            assert row["slowest_rank"] == 1 and row["fastest_rank"] == 0, row
-            assert 0 < row["fastest_rank_s"] < row["slowest_rank_s"] - 0.15, row
-            assert row["slowest_rank_s"] < 2 * row["step_time_s"], row  # a time within the step
-            assert 0.1 < row["comm_exposed_s"] < row["step_time_s"], row
-            assert row["comm_exposed_share"] == pytest.approx(row["comm_exposed_s"] / row["step_time_s"])
+    exposed communication, the ranks' mean, and its share is of the step's time, which is within
+    the wall time of the step."""
+    (rows, walls, blocked0), (rows1, _, blocked1) = run_ranks(_fit_with_a_slow_rank, 2, corpus, tmp_path, timeout=120)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row, wall, b0, b1 in zip(rows, walls, blocked0, blocked1):
+        assert row["slowest_rank"] == 1 and row["fastest_rank"] == 0, row
+        assert 0 < row["fastest_rank_s"] < row["slowest_rank_s"] - 0.15, row
+        assert row["slowest_rank_s"] < 2 * row["step_time_s"], row  # a time within the step
+        assert 0 < row["step_time_s"] <= wall, (row, wall)
+        assert row["comm_exposed_s"] == pytest.approx((b0 + b1) / 2) and b0 > 0.1, row
+        assert row["comm_exposed_share"] == pytest.approx(row["comm_exposed_s"] / row["step_time_s"])
+    assert [r["comm_exposed_s"] for r in rows1] == [r["comm_exposed_s"] for r in rows]  # every rank's row alike
