@@ -72,6 +72,27 @@ def test_data_parallel_equals_a_plain_pytorch_loop(corpus, tmp_path, plain_loop,
         assert_close(plain_loop, rank_result)
 
 
+def _reductions_in_flight_when_backward_ends(corpus, run_dir):
+    trainer = build_trainer(make_cfg(corpus, run_dir, 2))  # 2 micro-batches a rank
+    in_flight, finish = [], trainer.dp.finish_backward
+
+    def recorded():
+        in_flight.append(len(trainer.dp._pending))
+        finish()
+
+    trainer.dp.finish_backward = recorded
+    trainer.train_step()
+    return in_flight, trainer.dp.unused_parameters
+
+
+def test_the_last_micro_batch_reduces_its_gradients_during_its_backward(corpus, tmp_path):
+    """A rank's micro-batches but the last accumulate under no_sync; the last one's backward
+    launches DDP's bucket all-reduces as their gradients become ready (overlapped with the rest of
+    backward), so none is left for finish_backward to launch and no parameter is called unused."""
+    for in_flight, unused in run_ranks(_reductions_in_flight_when_backward_ends, 2, corpus, tmp_path):
+        assert in_flight[0] > 0 and unused == []
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_gives_the_same_gradients(corpus, tmp_path, mode):
     reference = grads_then_steps(make_cfg(corpus, tmp_path / "a", 1), n_steps=1)
