@@ -330,6 +330,33 @@ def test_checkpoints_come_every_interval_and_after_the_last_step(corpus, tmp_pat
     assert [r["step"] for r in rows if "checkpoint_s" in r] == [3, 4]
 
 
+def test_async_saves_write_in_the_background_but_the_last_one(corpus, tmp_path):
+    """checkpoint.async_save: every save but the run's last returns while its files are written;
+    the last is in the foreground, the run ending with it."""
+    from meshlm.train.trainer import Trainer
+
+    trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.interval=1", "checkpoint.async_save=true"))
+    background, save = [], trainer.save_checkpoint
+
+    def recorded(**kwargs):
+        background.append(kwargs["background"])
+        return save(**kwargs)
+
+    trainer.save_checkpoint = recorded
+    trainer.fit()
+    assert background == [True, True, True, False]
+
+
+def test_a_rows_throughput_is_its_tokens_over_its_time(corpus, tmp_path):
+    from meshlm.analysis.flops import mfu
+
+    trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.interval=0", "train.peak_tflops=2"))
+    for row in trainer.fit():
+        assert row["tokens"] == GLOBAL_BATCH * 32 and row["tokens_per_s"] == row["tokens"] / row["step_time_s"]
+        assert row["tflops"] == pytest.approx(trainer.flops_per_token * row["tokens_per_s"] / 1e12, rel=1e-12)
+        assert row["mfu"] == pytest.approx(mfu(row["tokens_per_s"], trainer.flops_per_token, 2, 1), rel=1e-12)
+
+
 def _fit_with_a_slow_rank(corpus, run_dir):
     """fit()'s rows, each step's wall time around train_step, and the blocked time each step
     passed to the all-gather of the rank fields."""

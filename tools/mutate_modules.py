@@ -305,4 +305,22 @@ MODULES = {
             "traced_collectives_record_exact_bytes", "point_to_point_records_and_merged_handles_complete")),
         "tests/test_debug_checks.py::test_traced_collectives_fingerprint_op_shape_and_dtype_and_count_blocked_time",
         "tests/test_pipeline_engine.py::test_a_send_dropped_as_finished_is_waited_so_its_record_closes"]),
+    # train.compile: compiled blocks (and the whole forward on one process) against the eager run on
+    # one process and on dp2-zero3, tp2 with recompute and pp2, graphs and calls counted; the loss's
+    # compiled chunk kernels against the eager loss and their chunk sizes; the memory tracker's
+    # steps running eagerly. The inductor cases are left out (minutes of code generation each).
+    "compile": ("src/meshlm/parallel/compile.py", ["tests/test_compile.py", "-k", "not inductor"]),
+    # The training loop: against a plain PyTorch loop (accumulation, dp 2 and 4, uneven target
+    # counts, no clipping), recompute, bf16, evaluation over micro-batch sizes and dp layouts, an
+    # empty global batch, no autograd graph left alive, stops and saves; non-finite steps skipped
+    # or stopping, a desync at its step; one CLI run's metrics rows and warmup warning; a blend's
+    # per-corpus held-out losses.
+    "trainer": ("src/meshlm/train/trainer.py", [
+        "tests/test_trainer.py", "tests/test_e2e.py::test_single_process_run_writes_the_run_directory_contract",
+        "tests/test_data_blend.py::test_training_on_a_blend_logs_each_corpus_held_out_loss",
+        *(f"tests/test_debug_checks.py::test_{name}" for name in (
+            "skip_drops_the_nonfinite_update_and_training_goes_on",
+            "stop_raises_on_every_rank_naming_the_rank_whose_loss_went_bad",
+            "unequal_evaluation_work_is_not_a_desync",
+            "a_desync_raises_at_its_step_on_every_rank"))]),
 }
