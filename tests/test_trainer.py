@@ -333,8 +333,6 @@ def test_checkpoints_come_every_interval_and_after_the_last_step(corpus, tmp_pat
 def test_async_saves_write_in_the_background_but_the_last_one(corpus, tmp_path):
     """checkpoint.async_save: every save but the run's last returns while its files are written;
     the last is in the foreground, the run ending with it."""
-    from meshlm.train.trainer import Trainer
-
     trainer = build_trainer(make_cfg(corpus, tmp_path, 1, "checkpoint.interval=1", "checkpoint.async_save=true"))
     background, save = [], trainer.save_checkpoint
 
