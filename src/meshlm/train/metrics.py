@@ -114,15 +114,16 @@ class MetricsWriter:
         for path in (self._old, self.path):
             if path.exists():
                 for line in path.read_text(errors="replace").splitlines():
-                    try:
-                        parsed = json.loads(line) if line.strip() else None
-                        if parsed is not None and not isinstance(parsed, dict):
-                            raise ValueError("not a row")  # what is left of a row may parse, e.g. "125"
-                        row_step = parsed.get("step", 0) if parsed is not None else None
-                    except ValueError:  # a row cut off by a crash (a full disk; zeros after a power loss)
-                        cut += 1
+                    if not line.strip():
                         continue
-                    if row_step is not None and row_step <= step:
+                    try:
+                        parsed = json.loads(line)
+                    except ValueError:
+                        parsed = None
+                    if not isinstance(parsed, dict):  # a row cut off by a crash (a full disk; zeros
+                        cut += 1  # after a power loss); what is left of one may parse, e.g. "125"
+                        continue
+                    if (row_step := parsed.get("step", 0)) <= step:
                         rows[row_step] = line  # a step logged twice: the later timeline's row
         if cut:
             self.print(f"warning: {self.path}: dropped {cut} line{'s' if cut > 1 else ''} cut off mid-row (a crash "
